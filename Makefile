@@ -1,0 +1,50 @@
+# make demo | make test | make bench | make gpu-check — each sets up .venv first (once; a stamp skips it after).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp-dev
+BENCH_STAMP := $(VENV)/.stamp-bench
+SYS_STAMP := $(VENV)/.stamp-sysdeps
+export MASTER_ADDR ?= 127.0.0.1
+export GLOO_SOCKET_IFNAME ?= lo
+export WANDB_MODE ?= offline
+
+.PHONY: demo test test-fast bench gpu-check venv sysdeps clean
+
+$(STAMP): setup.py constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,mpi]"
+	touch $@
+
+venv: $(STAMP)
+
+# System packages the launcher tests need (Slurm, munge, numactl); skipped when not root.
+$(SYS_STAMP): tests/infra/install_sysdeps.sh | $(STAMP)
+	bash tests/infra/install_sysdeps.sh
+	touch $@
+
+sysdeps: $(SYS_STAMP)
+
+demo: $(STAMP)
+	bash launch/run_deepspeed.sh ds_configs/demo_cpu.json
+
+test: $(STAMP) $(SYS_STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+$(BENCH_STAMP): constraints.txt | $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions
+	$(PY) -m pip install -q -c constraints.txt --no-deps torchrec
+	touch $@
+
+bench: $(STAMP) $(BENCH_STAMP)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+gpu-check: $(STAMP)
+	timeout 480 $(PY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs wandb checkpoints

@@ -1,0 +1,28 @@
+"""Distribution "sparse-scale": a DeepSpeed plugin for large sparse models."""
+from setuptools import find_packages, setup
+
+setup(
+    name="sparse-scale",
+    version="0.1.0",
+    description="DeepSpeed plugin for large-scale MoE and embeddings: GBA, PICASSO, expert prototyping",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sparse_scale*", "picasso_ops*", "moe_proto*", "gba_engine*"]),
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19.8",
+        "wandb",
+        "pydantic>=2",
+        "numpy",
+        "tqdm",
+        "hjson",
+        "pyarrow",
+    ],
+    extras_require={
+        "mpi": ["mpi4py", "mpich"],
+        # NVIDIA apex is built from source (see README); PyPI's "apex" is an unrelated package.
+        "gpu": ["triton"],
+        "test": ["pytest", "pytest-timeout", "mpi4py", "mpich"],
+        # torchrec is installed with --no-deps by the Makefile (its pins would pull a CUDA torch).
+        "bench": ["fbgemm-gpu-cpu==1.8.0", "tensordict", "torchmetrics", "pyre-extensions"],
+    },
+)

@@ -1,0 +1,153 @@
+"""Run one function on N real processes over gloo on 127.0.0.1, with a hard deadline.
+
+    >>> from sparse_scale.multiproc import run_distributed
+    >>> run_distributed(my_fn, world_size=2, args=(3,), timeout_s=30)   # my_fn(rank, world_size, 3)
+    [result_of_rank0, result_of_rank1]
+
+The first rank to fail is reported with its traceback and every other rank is
+killed; a rank that dies without reporting (segfault, os._exit) or a run that
+passes its deadline is an error too, so a caller can never hang.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died, or the run passed its deadline."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torch.distributed / deepspeed.comm expect, pinned to loopback."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+
+
+def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_timeout_s, threads, results):
+    os.environ.update(loopback_env(rank, world_size, port))
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        if init_process_group:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+            )
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if init_process_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 45.0,
+    init_process_group: bool = True,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
+
+    ``fn`` must be importable (module level). Returns the per-rank results in rank
+    order. Raises DistributedRunError on the first failure or at ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    pg_timeout_s = max(5.0, timeout_s)
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), init_process_group,
+                  pg_timeout_s, threads_per_rank, results),
+            name=f"rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outputs: dict[int, Any] = {}
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in outputs and p.exitcode is not None]
+                if dead:
+                    # A process may have exited right after putting its result: drain once more.
+                    try:
+                        rank, ok, payload = results.get(timeout=1.0)
+                    except queue.Empty:
+                        r, code = dead[0]
+                        raise DistributedRunError(
+                            f"rank {r} of {world_size} exited with code {code} without reporting a result"
+                        ) from None
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in outputs]
+                    raise DistributedRunError(
+                        f"deadline of {timeout_s:.0f}s passed; ranks {missing} of {world_size} had not finished"
+                    ) from None
+                else:
+                    continue
+            if not ok:
+                raise DistributedRunError(f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = payload
+    finally:
+        _stop_all(procs)
+    return [outputs[r] for r in range(world_size)]
+
+
+def _stop_all(procs: list) -> None:
+    for p in procs:
+        p.join(timeout=2.0)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)
