@@ -1,0 +1,48 @@
+"""The ``gba`` block of a DeepSpeed config: training mode, parameter servers, staleness policy.
+
+    >>> GBAConfig.model_validate({"mode": "auto", "num_servers": 1, "staleness": {"threshold": 4}})
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StalenessConfig(_Block):
+    """How gradients computed on an old model version are weighed."""
+
+    threshold: int = Field(4, ge=0)
+    # "drop" by default: the paper's token control discards severely stale gradients outright.
+    decay: Literal["drop", "inverse", "exponential"] = "drop"
+    rate: PositiveFloat = 0.5  # base of the exponential decay
+
+
+class SwitchConfig(_Block):
+    """The straggler detector that drives ``mode: auto``."""
+
+    slow_ratio: float = Field(1.5, gt=1.0)  # a worker is slow above ratio x the median step time
+    recover_ratio: float = Field(1.2, gt=1.0)  # hysteresis: back to sync below this
+    window: PositiveInt = 8  # step times per worker in the robust statistic
+    min_dwell_steps: PositiveInt = 20
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "SwitchConfig":
+        if self.recover_ratio >= self.slow_ratio:
+            raise ValueError(f"recover_ratio={self.recover_ratio} must be below slow_ratio={self.slow_ratio}")
+        return self
+
+
+class GBAConfig(_Block):
+    """Validated ``"gba"`` block."""
+
+    mode: Literal["sync", "gba", "auto"] = "sync"
+    num_servers: PositiveInt = 1
+    staleness: StalenessConfig = StalenessConfig()
+    switch: SwitchConfig = SwitchConfig()
+    timeout_s: PositiveFloat = 60.0
+    heartbeat_s: PositiveFloat = 2.0

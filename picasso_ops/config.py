@@ -1,0 +1,48 @@
+"""The ``picasso`` block of a DeepSpeed config: packing, caching and interleaving switches.
+
+    >>> PicassoConfig.model_validate({"packing": True, "cache": {"rows": 200000}})
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SparseOptimizerConfig(_Block):
+    """The optimizer fused into the embedding backward (dense layers use DeepSpeed's)."""
+
+    type: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    lr: PositiveFloat = 0.05
+    eps: PositiveFloat = 1e-8
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.999, ge=0.0, lt=1.0)
+
+
+class CacheConfig(_Block):
+    """A fixed-capacity fast tier of hot rows in front of a slower store."""
+
+    rows: PositiveInt
+    policy: Literal["lfu", "lru"] = "lfu"
+    store: Literal["memory", "mmap", "ps"] = "memory"
+    prefetch: bool = True
+
+
+class InterleaveConfig(_Block):
+    """Split each batch into micro-batches whose stages overlap."""
+
+    micro_batches: PositiveInt = 1
+
+
+class PicassoConfig(_Block):
+    """Validated ``"picasso"`` block; absent block = plain per-field embeddings."""
+
+    packing: bool = True
+    embedding_dim: PositiveInt = 16
+    optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
+    cache: CacheConfig | None = None
+    interleave: InterleaveConfig = InterleaveConfig()
