@@ -1,0 +1,296 @@
+"""Train a wide-and-deep CTR model with DeepSpeed on a synthetic stream, Criteo TSV or parquet.
+
+Runs unchanged under the deepspeed launcher, mpirun, srun or as one plain process:
+
+    deepspeed --num_gpus 2 launch/train_rec.py --config ds_configs/demo_cpu.json
+    mpirun -n 2 python launch/train_rec.py --config ds_configs/demo_cpu.json
+    python launch/train_rec.py --config ds_configs/demo_cpu.json --steps 50
+
+Rank 0 prints a progress bar and a final summary table and writes OUT/summary.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+# Entry scripts live beside their launch helpers; library code never imports from here.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dist_env import init_distributed  # noqa: E402
+from picasso_ops.data.batch import CTRBatch  # noqa: E402
+from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRStream  # noqa: E402
+from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
+from picasso_ops.models import WideAndDeep, WideAndDeepArgs  # noqa: E402
+from sparse_scale.config import load_config  # noqa: E402
+
+logger = logging.getLogger("train_rec")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="DeepSpeed JSON/hjson with optional picasso/gba blocks")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps to train (in total, across resumes)")
+    p.add_argument("--out", default="runs/train_rec", help="folder for checkpoints, wandb and summary.json")
+    p.add_argument("--data", choices=["synthetic", "criteo", "parquet"], default="synthetic")
+    p.add_argument("--train-files", nargs="*", default=[], help="Criteo TSV or parquet files (--data criteo|parquet)")
+    p.add_argument("--eval-files", nargs="*", default=[], help="held-out files (--data criteo|parquet)")
+    p.add_argument("--max-bad-fraction", type=float, default=0.01, help="bad rows tolerated before failing")
+    p.add_argument("--fields", type=int, default=26, help="categorical fields (synthetic)")
+    p.add_argument("--vocab", type=int, default=2000, help="rows per field (synthetic) or hash buckets (files)")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the synthetic ids")
+    p.add_argument("--max-hot", type=int, default=3, help="max ids per field and sample (synthetic)")
+    p.add_argument("--num-dense", type=int, default=13)
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--eval-samples", type=int, default=200_000, help="held-out samples (synthetic)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p.parse_args(argv)
+
+
+@dataclasses.dataclass
+class Progress:
+    step: int = 0  # optimizer steps done
+    micro_batches: int = 0  # batches consumed by each rank (ranks run in lockstep)
+    samples: int = 0  # global samples trained
+
+
+def _setup_wandb_env(out: Path) -> str:
+    """Offline wandb unless the user has a key or chose a mode; returns the mode."""
+    os.environ.setdefault("WANDB_DIR", str(out))
+    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+        os.environ["WANDB_MODE"] = "offline"
+    return os.environ.get("WANDB_MODE", "online")
+
+
+def _gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate a 1-D tensor of any length from every rank, in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    world = dist.get_world_size()
+    n = torch.tensor([t.numel()])
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    width = int(max(s.item() for s in sizes))
+    padded = torch.zeros(width, dtype=t.dtype)
+    padded[: t.numel()] = t
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+
+
+class RecJob:
+    """Everything one rank needs to train and evaluate; built from the CLI arguments."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world_size: int):
+        self.args, self.rank, self.world_size = args, rank, world_size
+        self.job = load_config(args.config)
+        self.ds = dict(self.job.ds)
+        self.micro_batch = int(self.ds.get("train_micro_batch_size_per_gpu", 256))
+        self.grad_accum = int(self.ds.get("gradient_accumulation_steps", 1))
+        self.data_cfg = None
+        if args.data == "synthetic":
+            self.data_cfg = SyntheticConfig(
+                num_fields=args.fields, vocab_sizes=args.vocab, zipf_exponent=args.zipf,
+                max_ids_per_field=args.max_hot, num_dense=args.num_dense, seed=args.seed,
+            )
+            self.vocab_sizes = self.data_cfg.field_vocab_sizes()
+            self.num_dense = args.num_dense
+        else:
+            self.vocab_sizes = [args.vocab] * 26
+            self.num_dense = 13
+        self.model_args = WideAndDeepArgs(vocab_sizes=self.vocab_sizes, num_dense=self.num_dense,
+                                          embedding_dim=args.embedding_dim)
+
+    def train_batches(self, batches_done: int) -> Iterator[CTRBatch]:
+        """This rank's training batches, after each rank has consumed ``batches_done``."""
+        if self.data_cfg is not None:
+            return iter(SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank,
+                                           world_size=self.world_size, split="train",
+                                           start_batch=batches_done * self.world_size))
+        return iter(self._file_reader(self.args.train_files, batches_done * self.micro_batch * self.world_size))
+
+    def eval_batches(self) -> Iterator[CTRBatch]:
+        if self.data_cfg is not None:
+            total = math.ceil(self.args.eval_samples / self.micro_batch)
+            return iter(SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank,
+                                           world_size=self.world_size, split="eval", num_batches=total))
+        return iter(self._file_reader(self.args.eval_files, 0))
+
+    def _file_reader(self, files: list[str], start_row: int):
+        if not files:
+            raise SystemExit(f"--data {self.args.data} needs --train-files and --eval-files")
+        from picasso_ops.data import CriteoTSVReader, ParquetCTRReader
+
+        cls = CriteoTSVReader if self.args.data == "criteo" else ParquetCTRReader
+        return cls(files, batch_size=self.micro_batch, vocab_size=self.args.vocab, rank=self.rank,
+                   world_size=self.world_size, start_row=start_row, max_bad_fraction=self.args.max_bad_fraction)
+
+
+def evaluate(engine, job: RecJob) -> dict[str, float]:
+    """Exact AUC and log loss over the whole held-out set, gathered from every rank."""
+    engine.eval()
+    scores, labels, teacher = [], [], []
+    with torch.no_grad():
+        for batch in job.eval_batches():
+            scores.append(torch.sigmoid(engine(batch.dense, batch.values, batch.lengths)).float())
+            labels.append(batch.labels)
+            if batch.teacher_prob is not None:
+                teacher.append(batch.teacher_prob)
+    engine.train()
+    s, y = _gather_cat(torch.cat(scores)), _gather_cat(torch.cat(labels))
+    out = {"auc": auc(s, y), "log_loss": log_loss(s, y), "eval_samples": float(s.numel())}
+    if teacher:
+        t = _gather_cat(torch.cat(teacher))
+        out["bayes_auc"] = auc(t, y)
+        out["bayes_log_loss"] = log_loss(t, y)
+    return out
+
+
+def _save(engine, ckpt_dir: Path, progress: Progress) -> str:
+    tag = f"step{progress.step}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"progress": dataclasses.asdict(progress)})
+    return str(ckpt_dir / tag)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    wandb_mode = _setup_wandb_env(out)
+    ctx = init_distributed()
+    rank, world = ctx.rank, ctx.world_size
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size or ctx.world_size))
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+    import deepspeed
+    from tqdm import tqdm
+
+    job = RecJob(args, rank, world)
+    model = WideAndDeep(job.model_args)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
+    ckpt_dir = out / "checkpoints"
+    progress = Progress()
+    if args.resume:
+        path, client = engine.load_checkpoint(str(ckpt_dir))
+        if path is None:
+            raise SystemExit(f"--resume: no checkpoint found in {ckpt_dir}")
+        progress = Progress(**client["progress"])
+        if rank == 0:
+            print(f"resumed from {path} at step {progress.step} (batch {progress.micro_batches} of each rank)")
+
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    bar = tqdm(total=args.steps, initial=progress.step, desc="train", unit="step", disable=rank != 0,
+               dynamic_ncols=True, mininterval=1.0)
+    batches = job.train_batches(progress.micro_batches)
+    train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
+    running = torch.zeros(2)
+    while progress.step < args.steps:
+        t0 = time.perf_counter()
+        for _ in range(job.grad_accum):
+            batch = next(batches)
+            loss = loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels)
+            engine.backward(loss)
+            engine.step()
+            progress.micro_batches += 1
+            running += torch.tensor([loss.item(), 1.0])
+        progress.step += 1
+        progress.samples += job.micro_batch * job.grad_accum * world
+        samples_this_run += job.micro_batch * job.grad_accum * world
+        train_time += time.perf_counter() - t0
+        bar.update(1)
+        if progress.step % 50 == 0:
+            mean_loss = (running[0] / running[1]).item()
+            running.zero_()
+            bar.set_postfix(loss=f"{mean_loss:.4f}")
+            engine.monitor.write_events([("train/loss", mean_loss, progress.samples),
+                                         ("train/samples_per_s", progress.samples / max(train_time, 1e-9),
+                                          progress.samples)])
+        if args.eval_every and progress.step % args.eval_every == 0 and progress.step < args.steps:
+            metrics = evaluate(engine, job)
+            history.append({"step": progress.step, **metrics})
+            engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
+        if args.save_every and progress.step % args.save_every == 0:
+            last_ckpt = _save(engine, ckpt_dir, progress)
+    bar.close()
+
+    metrics = evaluate(engine, job)
+    engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
+    if last_ckpt is None or not last_ckpt.endswith(f"step{progress.step}"):
+        last_ckpt = _save(engine, ckpt_dir, progress)
+    summary = {
+        "world_size": world,
+        "launcher": ctx.launcher,
+        "steps": progress.step,
+        "samples": progress.samples,
+        "samples_per_s": samples_this_run / max(train_time, 1e-9),
+        "train_time_s": train_time,
+        **metrics,
+        "checkpoint": last_ckpt,
+        "wandb_mode": wandb_mode,
+        "wandb_dir": _wandb_dir(rank),
+        "eval_history": history,
+    }
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        _print_summary(summary)
+    _finish_wandb(rank)
+    return summary
+
+
+def _wandb_dir(rank: int) -> str | None:
+    if rank != 0:
+        return None
+    import wandb
+
+    return wandb.run.dir if wandb.run is not None else None
+
+
+def _finish_wandb(rank: int) -> None:
+    if rank == 0:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    rows = [
+        ("ranks", f"{s['world_size']} ({s['launcher']})"),
+        ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
+        ("samples/s (this run)", f"{s['samples_per_s']:,.0f}"),
+        ("eval samples", f"{int(s['eval_samples']):,}"),
+        ("AUC", f"{s['auc']:.4f}"),
+    ]
+    if "bayes_auc" in s:
+        rows.append(("best reachable AUC", f"{s['bayes_auc']:.4f}  (planted teacher; gap {s['bayes_auc'] - s['auc']:.4f})"))
+    rows.append(("log loss", f"{s['log_loss']:.4f}" + (f"  (teacher {s['bayes_log_loss']:.4f})" if "bayes_log_loss" in s else "")))
+    rows += [("checkpoint", s["checkpoint"]), ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})")]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "-" * 72)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("-" * 72, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
