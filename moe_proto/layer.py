@@ -1,0 +1,200 @@
+"""The ``MoE`` layer: a drop-in for ``deepspeed.moe.layer.MoE`` with expert prototyping.
+
+Forward runs four explicit stages, each its own method so that expert parallelism
+(an all-to-all between dispatch and compute, and back before combine) slots in:
+
+1. :meth:`MoE.route` - fp32 router logits -> :class:`~moe_proto.routing.RoutingRecord`
+2. :meth:`MoE.dispatch` - index plan + gather into an expert-major buffer
+3. :meth:`MoE.compute` - grouped-matmul experts over the filled rows only
+4. :meth:`MoE.combine` - gate-weighted scatter-add back to the tokens
+
+Example::
+
+    moe = MoE(hidden_size=256, num_experts=16, k=1, num_prototypes=2, ffn_hidden_size=1024,
+              capacity_factor=1.25, use_rts=False)
+    out, l_aux, exp_counts = moe(x)          # x: [batch, seq, 256]
+    loss = task_loss + 0.01 * l_aux
+    moe.last_stats.drop_rate                 # for logging
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import dispatch as dispatch_ops
+from . import routing
+from .args import MoEArgs
+from .dispatch import DispatchPlan
+from .experts import GroupedExperts
+from .routing import RoutingRecord, RoutingStats
+
+logger = logging.getLogger(__name__)
+
+JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter default
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts FFN layer with top-k routing, expert prototyping and capacity.
+
+    The positional arguments and defaults are those of ``deepspeed.moe.layer.MoE``; the
+    keyword-only ones are additions (see :class:`~moe_proto.args.MoEArgs` for all of
+    them). ``expert`` may be an ``nn.Module`` (``Linear -> activation -> Linear``; copied
+    into every expert like DeepSpeed's deep copy) or None, in which case the layer builds
+    independently initialised experts of width ``ffn_hidden_size`` with ``activation``.
+
+    ``forward(hidden_states, used_token=None)`` returns ``(output, l_aux, exp_counts)``
+    like DeepSpeed: ``l_aux`` is the unscaled load-balancing loss plus
+    ``z_loss_coef * z_loss``, ``exp_counts`` the per-expert routes before drops.
+
+    Differences from DeepSpeed, on purpose: eval routing is deterministic (RTS and
+    second-expert sampling act in training only), the logits are never modified in
+    place, and the default drop order (``drop_policy="probs"``) keeps the highest-gate
+    tokens. ``deepspeed_compat=True`` reproduces DeepSpeed's top-1/top-2 decisions.
+
+    Example::
+
+        mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        moe = MoE(64, mlp, num_experts=8, k=2, use_rts=False, top2_2nd_expert_sampling=False)
+        out, l_aux, exp_counts = moe(torch.randn(4, 32, 64))
+    """
+
+    def __init__(self,
+                 hidden_size: int,
+                 expert: Optional[nn.Module] = None,
+                 num_experts: int = 1,
+                 ep_size: int = 1,
+                 k: int = 1,
+                 capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4,
+                 use_residual: bool = False,
+                 noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = True,
+                 use_rts: bool = True,
+                 use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True,
+                 *,
+                 num_prototypes: int = 1,
+                 dropless: bool = False,
+                 drop_policy: Optional[str] = None,
+                 z_loss_coef: float = 0.0,
+                 activation: Optional[str] = None,
+                 ffn_hidden_size: Optional[int] = None,
+                 deepspeed_compat: bool = False) -> None:
+        super().__init__()
+        self.args = MoEArgs(hidden_size=hidden_size, num_experts=num_experts, ep_size=ep_size, k=k,
+                            capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
+                            min_capacity=min_capacity, use_residual=use_residual,
+                            noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens, use_rts=use_rts,
+                            use_tutel=use_tutel, enable_expert_tensor_parallelism=enable_expert_tensor_parallelism,
+                            top2_2nd_expert_sampling=top2_2nd_expert_sampling, num_prototypes=num_prototypes,
+                            dropless=dropless, drop_policy=drop_policy, z_loss_coef=z_loss_coef,
+                            activation=activation, ffn_hidden_size=ffn_hidden_size,
+                            deepspeed_compat=deepspeed_compat)
+        args = self.args
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if expert is None:
+            if ffn_hidden_size is None:
+                raise ValueError("expert=None: pass ffn_hidden_size (and optionally activation) so the layer "
+                                 "can build its experts")
+            self.experts = GroupedExperts(args.num_local_experts, hidden_size, ffn_hidden_size,
+                                          activation=activation or "gelu",
+                                          expert_group_name=args.expert_group_name)
+        else:
+            if ffn_hidden_size is not None or activation is not None:
+                raise ValueError("ffn_hidden_size/activation describe experts the layer builds itself; with an "
+                                 "expert module they come from the module: leave them None")
+            self.experts = GroupedExperts.from_module(expert, args.num_local_experts, args.expert_group_name)
+            if self.experts.hidden_size != hidden_size:
+                raise ValueError(f"expert module works on width {self.experts.hidden_size}, "
+                                 f"hidden_size is {hidden_size}")
+        if use_residual:
+            # PR-MoE: a dense MLP mixed in by a learned 2-way softmax, as in DeepSpeed.
+            self.mlp = expert if expert is not None else GroupedExperts(
+                1, hidden_size, ffn_hidden_size, activation=activation or "gelu")
+            self.coefficient = nn.Linear(hidden_size, 2)
+        self.last_stats: Optional[RoutingStats] = None
+        logger.info("MoE layer: %d experts (%d local), %d prototype(s), top-%d per prototype, %s", num_experts,
+                    args.num_local_experts, num_prototypes, k,
+                    "dropless" if args.is_dropless else f"capacity factor {capacity_factor}")
+
+    def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """``[..., hidden]`` -> ``(output [..., hidden], l_aux, exp_counts [E])``.
+
+        ``used_token`` (optional, one entry per token) marks tokens to route; the others
+        get a zero expert output and take no capacity.
+        """
+        if hidden_states.shape[-1] != self.args.hidden_size:
+            raise ValueError(f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size "
+                             f"{self.args.hidden_size}")
+        x = hidden_states.reshape(-1, self.args.hidden_size)
+        record = self.route(x, used_token)
+        buffer, plan = self.dispatch(x, record)
+        expert_output = self.compute(buffer, plan)
+        output = self.combine(expert_output, plan, x.shape[0]).view_as(hidden_states)
+        if self.args.use_residual:
+            output = self._mix_residual(hidden_states, output)
+        self.last_stats = record.stats()
+        l_aux = record.aux_loss
+        if self.args.z_loss_coef:
+            l_aux = l_aux + self.args.z_loss_coef * record.z_loss
+        return output, l_aux, record.routed_per_expert
+
+    def route(self, x: Tensor, used_token: Optional[Tensor] = None) -> RoutingRecord:
+        """Stage 1: fp32 router logits (input jitter in training) -> routing record."""
+        args = self.args
+        gate_input = x.float()
+        if self.training and args.noise_policy == "Jitter":
+            gate_input = routing.multiplicative_jitter(gate_input, JITTER_EPS)
+        logits = F.linear(gate_input, self.gate.weight.float())
+        capacity_factor = None if args.is_dropless else (
+            args.capacity_factor if self.training else args.eval_capacity_factor)
+        if args.deepspeed_compat:
+            if args.k == 1:
+                return routing.route_deepspeed_top1(logits, capacity_factor, args.min_capacity, used_token)
+            if used_token is not None:
+                raise ValueError("deepspeed_compat=True with k=2: DeepSpeed's top2gating ignores used_token; "
+                                 "use deepspeed_compat=False to mask tokens")
+            return routing.route_deepspeed_top2(logits, capacity_factor, args.min_capacity)
+
+        noise, noise_from_choice = None, 0
+        if self.training and args.noise_policy == "RSample":
+            noise = routing.gumbel_noise(logits.shape, logits.device)
+        elif self.training and args.top2_2nd_expert_sampling and args.k >= 2:
+            noise, noise_from_choice = routing.gumbel_noise(logits.shape, logits.device), 1
+        rts = None
+        if self.training and args.use_rts and capacity_factor is not None:
+            rts = torch.rand(x.shape[0], args.routes_per_token, device=logits.device)
+        return routing.route(logits, top_k=args.k, num_prototypes=args.num_prototypes,
+                             capacity_factor=capacity_factor, min_capacity=args.min_capacity,
+                             drop_policy=args.effective_drop_policy, used_token=used_token, rts_priority=rts,
+                             selection_noise=noise, noise_from_choice=noise_from_choice)
+
+    def dispatch(self, x: Tensor, record: RoutingRecord) -> Tuple[Tensor, DispatchPlan]:
+        """Stage 2: index plan and the expert-major buffer ``[kept routes, hidden]``."""
+        plan = dispatch_ops.plan_dispatch(record)
+        return dispatch_ops.permute(x, plan), plan
+
+    def compute(self, buffer: Tensor, plan: DispatchPlan) -> Tensor:
+        """Stage 3: every expert over its rows, one grouped matmul per projection."""
+        return self.experts(buffer, plan.tokens_per_expert)
+
+    def combine(self, expert_output: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
+        """Stage 4: gate-weighted scatter-add back to ``[num_tokens, hidden]``."""
+        return dispatch_ops.unpermute(expert_output, plan, num_tokens)
+
+    def _mix_residual(self, hidden_states: Tensor, moe_output: Tensor) -> Tensor:
+        if isinstance(self.mlp, GroupedExperts):
+            flat = hidden_states.reshape(-1, self.args.hidden_size)
+            counts = torch.tensor([flat.shape[0]], device=flat.device)
+            mlp_output = self.mlp(flat, counts).view_as(hidden_states)
+        else:
+            mlp_output = self.mlp(hidden_states)
+            mlp_output = mlp_output[0] if isinstance(mlp_output, tuple) else mlp_output
+        coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+        return moe_output * coef[..., 0:1] + mlp_output * coef[..., 1:]

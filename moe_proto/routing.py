@@ -1,0 +1,447 @@
+"""Routing: pure functions from router logits to one explicit routing record.
+
+Every function here takes fp32 logits ``[S, E]`` (S tokens, E experts) and returns a
+:class:`RoutingRecord`: which expert each route goes to, its combine weight, its row
+inside that expert's buffer, whether it survived the capacity limit, per-expert
+counts and the auxiliary losses. Nothing is modified in place, nothing dense of shape
+``[S, E, C]`` is built, and randomness (RSample noise, random token selection) comes
+in as explicit tensors so that the functions stay deterministic.
+
+Two families:
+
+* :func:`route` - the native router: top-k for any k and expert prototyping
+  (``num_prototypes`` groups of consecutive experts, top-k' inside each group, the
+  group outputs summed), capacity with a ``"probs"`` or ``"position"`` drop policy, or
+  dropless.
+* :func:`route_deepspeed_top1` / :func:`route_deepspeed_top2` - bit-for-bit the
+  decisions of DeepSpeed 0.19.8 ``top1gating`` / ``top2gating`` with RTS and
+  second-expert sampling off, for users who need the old numbers.
+
+Example::
+
+    logits = torch.randn(8, 4)
+    rec = route(logits, top_k=1, num_prototypes=2, capacity_factor=1.0, min_capacity=0)
+    rec.expert_index.shape   # torch.Size([8, 2]): one expert in {0,1} and one in {2,3}
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+DropPolicy = Literal["probs", "position"]
+DROP_POLICIES: Tuple[str, ...] = ("probs", "position")
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    """The complete outcome of routing S tokens over E experts with K routes per token.
+
+    Attributes:
+        expert_index: ``[S, K]`` int64, global expert id of every route (dropped ones too).
+        gate: ``[S, K]`` fp32 combine weight; 0 for dropped routes. Differentiable with
+            respect to the logits.
+        slot: ``[S, K]`` int64 row of the route inside its expert's buffer; kept routes of
+            expert e fill rows ``0 .. tokens_per_expert[e]-1``; -1 for dropped routes.
+        keep: ``[S, K]`` bool, True when the route is computed.
+        tokens_per_expert: ``[E]`` int64 kept routes per expert (rows each expert computes).
+        routed_per_expert: ``[E]`` int64 routes that chose each expert before capacity drops
+            (DeepSpeed's ``exp_counts``).
+        capacity: rows per expert, or None when dropless.
+        aux_loss: scalar load-balancing loss (unscaled).
+        z_loss: scalar router z-loss (unscaled).
+    """
+
+    expert_index: Tensor
+    gate: Tensor
+    slot: Tensor
+    keep: Tensor
+    tokens_per_expert: Tensor
+    routed_per_expert: Tensor
+    capacity: Optional[int]
+    aux_loss: Tensor
+    z_loss: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_index.shape[0]
+
+    @property
+    def routes_per_token(self) -> int:
+        return self.expert_index.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.tokens_per_expert.shape[0]
+
+    def stats(self) -> "RoutingStats":
+        """Detached summary for logging (no autograd graph is kept alive)."""
+        routed = self.routed_per_expert.sum()
+        dropped = (routed - self.tokens_per_expert.sum()).float()
+        return RoutingStats(
+            routed_per_expert=self.routed_per_expert.detach(),
+            tokens_per_expert=self.tokens_per_expert.detach(),
+            drop_rate=dropped / routed.clamp(min=1).float(),
+            aux_loss=self.aux_loss.detach(),
+            z_loss=self.z_loss.detach(),
+            capacity=self.capacity,
+        )
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What a logger wants from one routing call: load, drops and the two losses."""
+
+    routed_per_expert: Tensor
+    tokens_per_expert: Tensor
+    drop_rate: Tensor
+    aux_loss: Tensor
+    z_loss: Tensor
+    capacity: Optional[int]
+
+
+def expert_capacity(num_tokens: int, num_experts: int, routes_per_token: int, capacity_factor: float,
+                    min_capacity: int = 0) -> int:
+    """Per-expert capacity ``C = max(ceil(cf * routes_per_token * S / E), min_capacity)``.
+
+    ``cf`` is taken at its decimal value (``Fraction(str(cf))``) so that e.g. cf=1.1,
+    S=10, E=1 gives 11 and not 12 from binary rounding.
+
+    Example::
+
+        expert_capacity(4096, 16, 1, 1.25)   # 320
+    """
+    exact = Fraction(str(capacity_factor)) * routes_per_token * num_tokens / num_experts
+    return max(math.ceil(exact), min_capacity)
+
+
+def multiplicative_jitter(x: Tensor, epsilon: float = 1e-2, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Return ``x * U(1-eps, 1+eps)`` elementwise (a new tensor; ``x`` is untouched).
+
+    Used on the router input in training only (DeepSpeed's ``noisy_gate_policy='Jitter'``).
+
+    Example::
+
+        x_noisy = multiplicative_jitter(x, 1e-2)
+    """
+    if epsilon == 0:
+        return x
+    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return x * (1.0 - epsilon + 2.0 * epsilon * noise)
+
+
+def gumbel_noise(shape: Tuple[int, ...], device: torch.device, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Standard Gumbel samples, for ``route(selection_noise=...)``."""
+    u = torch.rand(shape, generator=generator, device=device).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def router_z_loss(logits: Tensor, num_prototypes: int = 1, token_mask: Optional[Tensor] = None) -> Tensor:
+    """Mean over tokens (and prototypes) of ``logsumexp(logits)^2`` (ST-MoE z-loss).
+
+    With prototypes each group has its own softmax, so each group's logsumexp is
+    penalised and the mean runs over tokens and groups.
+    """
+    s, e = logits.shape
+    lse = torch.logsumexp(logits.reshape(s, num_prototypes, e // num_prototypes), dim=-1)
+    return _masked_mean(lse.square().mean(dim=1), token_mask)
+
+
+def route(
+    logits: Tensor,
+    *,
+    top_k: int = 1,
+    num_prototypes: int = 1,
+    capacity_factor: Optional[float] = 1.0,
+    min_capacity: int = 0,
+    drop_policy: DropPolicy = "probs",
+    normalize_topk: bool = True,
+    used_token: Optional[Tensor] = None,
+    rts_priority: Optional[Tensor] = None,
+    selection_noise: Optional[Tensor] = None,
+    noise_from_choice: int = 0,
+) -> RoutingRecord:
+    """Route S tokens over E experts: top-k, expert prototyping, capacity or dropless.
+
+    The E experts form ``P = num_prototypes`` groups of E/P consecutive experts. Each
+    group softmaxes its slice of the logits and picks its ``top_k`` experts, so every
+    token has ``K = P * top_k`` routes; P=1, top_k=1 is Switch top-1 and P=1, top_k=k is
+    plain top-k. The layer output is the gate-weighted sum over routes.
+
+    Gate weights: a group's selected probabilities are renormalised to sum to 1 when
+    ``top_k > 1`` and ``normalize_topk`` (GShard/Mixtral style); with ``top_k == 1`` the
+    raw softmax probability is used (Switch / M6-T; renormalising one gate would make it
+    a constant 1 and cut the router's gradient). Gates are never renormalised across
+    prototypes, nor after drops: a dropped route simply contributes 0.
+
+    Capacity: ``C = max(ceil(capacity_factor * K * S / E), min_capacity)`` rows per
+    expert (``capacity_factor=None`` is dropless). When an expert is over capacity,
+    ``drop_policy="probs"`` keeps its routes with the highest (pre-normalisation) gate
+    probability, ``"position"`` keeps the lowest token indices; ties go to the lower
+    token index. ``rts_priority`` (``[S, K]``, e.g. ``torch.rand``) overrides the policy
+    with random token selection; the layer passes it in training only.
+
+    Aux loss: GShard/Switch ``E_g * sum_e f_e * p_e`` computed inside each prototype
+    over its E_g = E/P experts (f_e = share of the group's routes choosing e before
+    drops, p_e = mean router probability of e), then averaged over prototypes; P=1,
+    top_k=1 is exactly DeepSpeed/Switch top-1's ``l_aux``. z-loss: see
+    :func:`router_z_loss`. Both average over used tokens only.
+
+    Args:
+        logits: ``[S, E]`` router logits (fp32 recommended).
+        used_token: optional ``[S]`` mask; tokens with 0 are not routed and take no capacity.
+        selection_noise: optional ``[S, E]`` noise added to the logits for *choosing*
+            experts only (gates still come from the clean softmax); from choice
+            ``noise_from_choice`` on (0 = RSample, 1 = DeepSpeed-style 2nd-expert sampling).
+
+    Example::
+
+        rec = route(torch.randn(16, 8), top_k=2, capacity_factor=1.25)
+        rec.keep.sum() == rec.tokens_per_expert.sum()   # tensor(True)
+    """
+    s, e = _check_logits(logits)
+    if num_prototypes < 1 or e % num_prototypes:
+        raise ValueError(f"num_prototypes={num_prototypes} must be >= 1 and divide num_experts={e}")
+    group = e // num_prototypes
+    if not 1 <= top_k <= group:
+        raise ValueError(f"top_k={top_k} must be in [1, experts per prototype={group}]")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy={drop_policy!r} must be one of {DROP_POLICIES}")
+    if not 0 <= noise_from_choice < top_k and selection_noise is not None:
+        raise ValueError(f"noise_from_choice={noise_from_choice} must be in [0, top_k={top_k})")
+    routes = num_prototypes * top_k
+    if rts_priority is not None and tuple(rts_priority.shape) != (s, routes):
+        raise ValueError(f"rts_priority must be [tokens, routes] = [{s}, {routes}], got {tuple(rts_priority.shape)}")
+    if selection_noise is not None and selection_noise.shape != logits.shape:
+        raise ValueError(f"selection_noise must match logits {tuple(logits.shape)}, got {tuple(selection_noise.shape)}")
+    token_mask = _token_mask(used_token, s, logits.device)
+
+    logits_g = logits.reshape(s, num_prototypes, group)
+    probs_g = F.softmax(logits_g, dim=-1)
+    local = _select_topk(logits_g, probs_g, top_k, selection_noise, noise_from_choice)  # [S, P, k]
+    raw_gate = probs_g.gather(-1, local)
+    gate = raw_gate / raw_gate.sum(-1, keepdim=True) if top_k > 1 and normalize_topk else raw_gate
+    offset = torch.arange(num_prototypes, device=logits.device).view(1, -1, 1) * group
+    expert_index = (local + offset).reshape(s, routes)
+
+    eligible = torch.ones_like(expert_index, dtype=torch.bool) if token_mask is None else \
+        token_mask.unsqueeze(1).expand(s, routes)
+    capacity = None if capacity_factor is None else expert_capacity(s, e, routes, capacity_factor, min_capacity)
+    if rts_priority is not None:
+        priority = rts_priority
+    else:
+        priority = raw_gate.detach().reshape(s, routes) if drop_policy == "probs" else None
+    keep, slot = _assign_slots(expert_index, eligible, e, capacity, priority)
+
+    routed = torch.bincount(expert_index[eligible], minlength=e)
+    kept = torch.bincount(expert_index[keep], minlength=e)
+    aux = _prototype_aux_loss(probs_g, routed, top_k, token_mask)
+    return RoutingRecord(
+        expert_index=expert_index,
+        gate=gate.reshape(s, routes) * keep,
+        slot=slot,
+        keep=keep,
+        tokens_per_expert=kept,
+        routed_per_expert=routed,
+        capacity=capacity,
+        aux_loss=aux,
+        z_loss=router_z_loss(logits, num_prototypes, token_mask),
+    )
+
+
+def route_deepspeed_top1(logits: Tensor, capacity_factor: Optional[float], min_capacity: int,
+                         used_token: Optional[Tensor] = None) -> RoutingRecord:
+    """DeepSpeed 0.19.8 ``top1gating(use_rts=False, noisy_gate_policy=None)`` as a record.
+
+    Same argmax, capacity (including its float32 arithmetic and the ``S >= min_capacity``
+    check), same kept tokens - chosen, as DeepSpeed does without RTS, by
+    ``torch.topk`` over the 0/1 mask (tie order, not token order) -, same slots
+    (token order among kept), raw softmax gate, ``l_aux`` and ``exp_counts``.
+    ``capacity_factor=None`` is ``drop_tokens=False`` (nothing dropped; capacity None).
+
+    Example::
+
+        rec = route_deepspeed_top1(torch.randn(64, 8), 1.0, 4)
+    """
+    s, e = _check_logits(logits)
+    gates = F.softmax(logits, dim=1)
+    index = torch.argmax(gates, dim=1)
+    mask = F.one_hot(index, num_classes=e)
+    if used_token is not None:
+        # Same product (and dtype promotion) as DeepSpeed's einsum("s,se->se"): topk tie order depends on dtype.
+        mask = used_token.reshape(s, 1) * mask
+    routed = mask.sum(dim=0).long()
+    aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * e
+
+    if s < min_capacity:
+        raise ValueError(f"top-1 DeepSpeed routing needs tokens ({s}) >= min_capacity ({min_capacity})")
+    if capacity_factor is None:
+        capacity = None
+        kept_mask = mask
+    else:
+        capacity = _deepspeed_capacity(s, e, capacity_factor, min_capacity)
+        # Without RTS DeepSpeed keeps topk(mask) rows per expert: reproduce that exact call for its tie order.
+        top_idx = torch.topk(mask, k=min(capacity, s), dim=0)[1]
+        kept_mask = mask * torch.zeros_like(mask).scatter_(0, top_idx, 1)
+    locations = torch.cumsum(kept_mask, dim=0) - 1
+
+    index = index.unsqueeze(1)
+    keep = kept_mask.gather(1, index) > 0
+    token_mask = None if used_token is None else used_token.reshape(s) != 0
+    return RoutingRecord(
+        expert_index=index,
+        gate=gates.gather(1, index) * keep,
+        slot=torch.where(keep, locations.gather(1, index).long(), -1),
+        keep=keep,
+        tokens_per_expert=(kept_mask > 0).sum(dim=0),
+        routed_per_expert=routed,
+        capacity=capacity,
+        aux_loss=aux,
+        z_loss=router_z_loss(logits, 1, token_mask),
+    )
+
+
+def route_deepspeed_top2(logits: Tensor, capacity_factor: Optional[float], min_capacity: int) -> RoutingRecord:
+    """DeepSpeed 0.19.8 ``top2gating(top2_2nd_expert_sampling=False)`` as a record.
+
+    1st choice = argmax of the softmax, 2nd = argmax of the logits without the 1st.
+    Positional drops where, per expert, every 1st choice takes a slot before any 2nd
+    choice (2nd-choice slots start after the expert's pre-drop 1st-choice count). The
+    surviving gates are renormalised to sum to 1 (eps-clamped), so a token whose 2nd
+    route was dropped keeps weight 1.0 on its 1st. ``l_aux`` uses 1st choices only.
+    ``capacity_factor=None`` is ``drop_tokens=False``.
+
+    Example::
+
+        rec = route_deepspeed_top2(torch.randn(64, 8), 1.0, 4)
+    """
+    s, e = _check_logits(logits)
+    gates = F.softmax(logits, dim=1)
+    index1 = torch.argmax(gates, dim=1)
+    mask1 = F.one_hot(index1, num_classes=e)
+    index2 = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
+    mask2 = F.one_hot(index2, num_classes=e)
+
+    locations1 = torch.cumsum(mask1, dim=0) - 1
+    locations2 = torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)
+    aux = torch.mean(gates.mean(dim=0) * mask1.float().mean(dim=0)) * e * e
+    routed = (mask1 + mask2).sum(dim=0)
+
+    index = torch.stack([index1, index2], dim=1)
+    slot = torch.stack([locations1.gather(1, index1[:, None]), locations2.gather(1, index2[:, None])], dim=1)[..., 0]
+    if capacity_factor is None:
+        capacity = None
+        keep = torch.ones_like(index, dtype=torch.bool)
+    else:
+        capacity = _deepspeed_capacity(s, e, capacity_factor * 2, min_capacity)
+        keep = slot < capacity
+    gate = gates.gather(1, index) * keep
+    gate = gate / gate.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gate.dtype).eps)
+    return RoutingRecord(
+        expert_index=index,
+        gate=gate,
+        slot=torch.where(keep, slot, -1),
+        keep=keep,
+        tokens_per_expert=torch.bincount(index[keep], minlength=e),
+        routed_per_expert=routed,
+        capacity=capacity,
+        aux_loss=aux,
+        z_loss=router_z_loss(logits),
+    )
+
+
+def _check_logits(logits: Tensor) -> Tuple[int, int]:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    return logits.shape[0], logits.shape[1]
+
+
+def _token_mask(used_token: Optional[Tensor], s: int, device: torch.device) -> Optional[Tensor]:
+    if used_token is None:
+        return None
+    if used_token.numel() != s:
+        raise ValueError(f"used_token has {used_token.numel()} entries for {s} tokens")
+    return used_token.reshape(s).to(device) != 0
+
+
+def _masked_mean(values: Tensor, token_mask: Optional[Tensor]) -> Tensor:
+    if token_mask is None:
+        return values.mean(dim=0)
+    weight = token_mask.to(values.dtype)
+    shape = (-1, ) + (1, ) * (values.dim() - 1)
+    return (values * weight.view(shape)).sum(dim=0) / weight.sum().clamp(min=1)
+
+
+def _select_topk(logits_g: Tensor, probs_g: Tensor, top_k: int, noise: Optional[Tensor],
+                 noise_from_choice: int) -> Tensor:
+    """Local expert ids ``[S, P, top_k]`` chosen inside each group, best first."""
+    if noise is None:
+        return probs_g.topk(top_k, dim=-1).indices
+    noisy = logits_g + noise.reshape(logits_g.shape)
+    if noise_from_choice == 0:
+        return noisy.topk(top_k, dim=-1).indices
+    clean = probs_g.topk(noise_from_choice, dim=-1).indices
+    rest = noisy.scatter(-1, clean, float("-inf")).topk(top_k - noise_from_choice, dim=-1).indices
+    return torch.cat([clean, rest], dim=-1)
+
+
+def _assign_slots(expert_index: Tensor, eligible: Tensor, num_experts: int, capacity: Optional[int],
+                  priority: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Capacity decisions and buffer rows by stable sorts over the S*K routes.
+
+    Routes are ranked inside their expert by ``priority`` (higher first, ties to the
+    lower token index) or by token index when ``priority`` is None; the first
+    ``capacity`` ranks are kept. Kept routes then get rows in token order.
+    """
+    s, k = expert_index.shape
+    if capacity is None:
+        priority = None  # dropless: nothing competes, so rows simply follow token order
+    flat = expert_index.reshape(-1)
+    # Ineligible routes sort behind every expert (key E) so they take no rank.
+    key = torch.where(eligible.reshape(-1), flat, num_experts)
+    if priority is None:
+        order = torch.argsort(key, stable=True)
+    else:
+        by_priority = torch.argsort(priority.reshape(-1), descending=True, stable=True)
+        order = by_priority[torch.argsort(key[by_priority], stable=True)]
+    rank = _rank_within_key(key, order, num_experts)
+    keep = key < num_experts
+    if capacity is not None:
+        keep = keep & (rank < capacity)
+    if priority is not None:
+        kept_key = torch.where(keep, flat, num_experts)
+        rank = _rank_within_key(kept_key, torch.argsort(kept_key, stable=True), num_experts)
+    slot = torch.where(keep, rank, -1)
+    return keep.view(s, k), slot.view(s, k)
+
+
+def _rank_within_key(key: Tensor, order: Tensor, num_experts: int) -> Tensor:
+    """Position of every element among those with the same key, following ``order``."""
+    sorted_key = key[order]
+    counts = torch.bincount(key, minlength=num_experts + 1)
+    starts = torch.cumsum(counts, dim=0) - counts
+    rank = torch.empty_like(key)
+    rank[order] = torch.arange(key.numel(), device=key.device) - starts[sorted_key]
+    return rank
+
+
+def _prototype_aux_loss(probs_g: Tensor, routed: Tensor, top_k: int, token_mask: Optional[Tensor]) -> Tensor:
+    """``mean_p [E_g * sum_e f_pe * p_pe]`` with f from pre-drop routes (see :func:`route`)."""
+    s, num_prototypes, group = probs_g.shape
+    used = s if token_mask is None else token_mask.sum().clamp(min=1)
+    f = routed.view(num_prototypes, group).to(probs_g.dtype) / (top_k * used)
+    p = _masked_mean(probs_g, token_mask)
+    return (group * (f * p).sum(dim=-1)).mean()
+
+
+def _deepspeed_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
+    # DeepSpeed's _capacity rounds in float32 (python float times a float32 tensor); keep that arithmetic.
+    capacity = torch.ceil((num_tokens / num_experts) * torch.tensor(capacity_factor)).to(torch.int64)
+    return max(int(capacity), min_capacity)

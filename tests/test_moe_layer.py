@@ -1,0 +1,277 @@
+"""moe_proto.MoE against a naive per-token reference: forward, backward, training, arguments."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_proto import MoE, GroupedExperts, grouped_matmul, grouped_mm_supported
+
+D, FFN = 16, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: intra-op threads only add OpenMP stalls on a shared 2-core machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _naive_ffn(experts, e, x):
+    h = x @ experts.w1[e]
+    if experts.b1 is not None:
+        h = h + experts.b1[e]
+    if experts.activation == "swiglu":
+        h = F.silu(h) * (x @ experts.w3[e])
+    else:
+        h = {"gelu": F.gelu, "relu": F.relu}[experts.activation](h)
+    y = h @ experts.w2[e]
+    return y + experts.b2[e] if experts.b2 is not None else y
+
+
+def _naive_moe(moe, x, record):
+    """Per token, per kept route: gate (recomputed from the logits) times that expert's FFN."""
+    args = moe.args
+    group = args.num_experts // args.num_prototypes
+    logits = x.float() @ moe.gate.weight.float().t()
+    rows = []
+    for t in range(x.shape[0]):
+        out = torch.zeros(x.shape[1], dtype=x.dtype)
+        for j in range(record.routes_per_token):
+            if not record.keep[t, j]:
+                continue
+            e = int(record.expert_index[t, j])
+            p = e // group
+            probs = F.softmax(logits[t, p * group:(p + 1) * group], dim=-1)
+            gate = probs[e - p * group]
+            if args.k > 1:
+                chosen = record.expert_index[t, p * args.k:(p + 1) * args.k] - p * group
+                gate = gate / probs[chosen].sum()
+            out = out + gate * _naive_ffn(moe.experts, e, x[t])
+        rows.append(out)
+    return torch.stack(rows)
+
+
+CONFIGS = {
+    "switch_top1": dict(k=1, capacity_factor=1.0),
+    "top2": dict(k=2, capacity_factor=1.0),
+    "proto2": dict(k=1, num_prototypes=2, capacity_factor=1.0),
+    "proto2_top2_dropless": dict(k=2, num_prototypes=2, dropless=True),
+    "proto2_swiglu_position": dict(k=1, num_prototypes=2, capacity_factor=0.75, drop_policy="position",
+                                   activation="swiglu"),
+}
+
+
+def _make(config, **extra):
+    torch.manual_seed(0)
+    kwargs = dict(num_experts=8, use_rts=False, top2_2nd_expert_sampling=False, min_capacity=0)
+    kwargs.update(config)
+    kwargs.update(extra)
+    if "expert" not in kwargs:
+        kwargs["ffn_hidden_size"] = FFN
+    moe = MoE(D, **kwargs)
+    with torch.no_grad():  # spread the router so that experts overflow and drops happen
+        moe.gate.weight.mul_(4)
+    return moe
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_and_backward_match_naive_reference(name):
+    moe = _make(CONFIGS[name])
+    x = torch.randn(48, D, generator=torch.Generator().manual_seed(1))
+    record = moe.route(x)
+    if not moe.args.is_dropless:
+        assert not record.keep.all(), "config should drop some routes"
+
+    x1 = x.clone().requires_grad_()
+    out, l_aux, counts = moe(x1)
+    grad_out = torch.randn_like(out)
+    params = [p for p in moe.parameters()]
+    got = torch.autograd.grad((out * grad_out).sum(), [x1] + params)
+
+    x2 = x.clone().requires_grad_()
+    ref = _naive_moe(moe, x2, record)
+    want = torch.autograd.grad((ref * grad_out).sum(), [x2] + params, allow_unused=True)
+
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts, record.routed_per_expert)
+    torch.testing.assert_close(l_aux, record.aux_loss)
+    for g, w, name_ in zip(got, want, ["input"] + [n for n, _ in moe.named_parameters()]):
+        torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"grad of {name_}: {m}")
+
+
+def test_expert_module_is_copied_into_every_expert_and_marked():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(D, FFN), nn.GELU(), nn.Linear(FFN, D))
+    moe = _make(dict(k=2, capacity_factor=1.0), expert=mlp)
+    x = torch.randn(5, D)
+    for e in range(8):
+        torch.testing.assert_close(_naive_ffn(moe.experts, e, x), mlp(x))
+    for name, param in moe.experts.named_parameters():
+        assert param.allreduce is False and param.group_name == "ep_size_1", name
+    assert not hasattr(moe.gate.weight, "allreduce")
+    # the copy is real: training the experts leaves the user's module alone
+    out, _, _ = moe(x)
+    out.sum().backward()
+    assert mlp[0].weight.grad is None
+
+
+def test_naive_reference_forward_with_copied_bias_experts():
+    mlp = nn.Sequential(nn.Linear(D, FFN), nn.ReLU(), nn.Dropout(0.0), nn.Linear(FFN, D))
+    moe = _make(dict(k=2, num_prototypes=2, capacity_factor=1.0), expert=mlp)
+    with torch.no_grad():
+        for p in moe.experts.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # make the experts differ
+    x = torch.randn(40, D)
+    record = moe.route(x)
+    torch.testing.assert_close(moe(x)[0], _naive_moe(moe, x, record), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_and_loop_paths_agree():
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, D, FFN, activation="swiglu", bias=True)
+    counts = torch.tensor([5, 0, 9, 2])
+    x = torch.randn(16, D, requires_grad=True)
+    assert grouped_mm_supported(x, experts.w1), "torch 2.13 CPU should take the grouped_mm path"
+    experts64 = GroupedExperts(4, D, FFN, activation="swiglu", bias=True).double()
+    experts64.load_state_dict({k: v.double() for k, v in experts.state_dict().items()})
+    x64 = x.detach().double().requires_grad_()
+    assert not grouped_mm_supported(x64, experts64.w1), "float64 takes the loop"
+    y, y64 = experts(x, counts), experts64(x64, counts)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    y.sum().backward()  # a stride-0 gradient: grouped_mm's backward needs it made contiguous
+    y64.sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(experts.w2.grad.double(), experts64.w2.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sums to 15"):
+        grouped_matmul(x64, experts64.w1, torch.tensor([5, 0, 8, 2]))
+
+
+def test_layer_trains_on_toy_task():
+    torch.manual_seed(0)
+    n, d = 256, 8
+    x = torch.randn(n, d)
+    # piecewise teacher: a different linear map depending on the sign of the first feature
+    a, b = torch.randn(d, d), torch.randn(d, d)
+    y = torch.where(x[:, :1] > 0, x @ a, x @ b).tanh()
+    moe = MoE(d, num_experts=4, k=1, num_prototypes=2, ffn_hidden_size=32, capacity_factor=1.5,
+              use_rts=False, z_loss_coef=1e-3)
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(100):
+        out, l_aux, _ = moe(x)
+        loss = F.mse_loss(out, y)
+        opt.zero_grad()
+        (loss + 0.01 * l_aux).backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0], (losses[0], losses[-1])
+    assert moe.gate.weight.grad.abs().sum() > 0
+
+
+def test_used_token_and_stats():
+    moe = _make(dict(k=1, capacity_factor=1.0))
+    x = torch.randn(2, 20, D)
+    used = (torch.arange(40) % 4 != 0).view(2, 20)
+    before = x.clone()
+    out, l_aux, counts = moe(x, used_token=used)
+    assert torch.equal(x, before)
+    assert torch.all(out.view(40, D)[~used.flatten()] == 0)
+    assert int(counts.sum()) == 30
+    stats = moe.last_stats
+    assert stats.capacity == 5
+    torch.testing.assert_close(stats.drop_rate, 1 - stats.tokens_per_expert.sum() / 30)
+    assert stats.aux_loss.requires_grad is False and stats.z_loss > 0
+
+
+def test_z_loss_coef_adds_to_l_aux():
+    moe = _make(dict(k=1, capacity_factor=1.0), z_loss_coef=0.5)
+    x = torch.randn(30, D)
+    record = moe.route(x)
+    _, l_aux, _ = moe(x)
+    torch.testing.assert_close(l_aux, record.aux_loss + 0.5 * record.z_loss)
+
+
+def test_eval_is_deterministic_and_uses_eval_capacity():
+    moe = _make(dict(k=2, capacity_factor=2.0, eval_capacity_factor=0.5, noisy_gate_policy="Jitter",
+                     use_rts=True, top2_2nd_expert_sampling=True))
+    x = torch.randn(64, D)
+    moe.eval()
+    a, b = moe(x)[0], moe(x)[0]
+    assert torch.equal(a, b) and moe.last_stats.capacity == 8
+    moe.train()
+    c, d = moe(x)[0], moe(x)[0]
+    assert not torch.equal(c, d), "jitter / sampling / RTS should act in training"
+    assert moe.last_stats.capacity == 32
+
+
+def test_residual_moe_mixes_dense_mlp():
+    moe = _make(dict(k=1, capacity_factor=1.0), use_residual=True)
+    x = torch.randn(3, 10, D, requires_grad=True)
+    out, _, _ = moe(x)
+    flat = x.reshape(-1, D)
+    record = moe.route(flat)
+    expert_out = _naive_moe(moe, flat, record).view_as(x)
+    dense = _naive_ffn(moe.mlp, 0, flat).view_as(x)
+    coef = F.softmax(moe.coefficient(x), dim=-1)
+    torch.testing.assert_close(out, expert_out * coef[..., :1] + dense * coef[..., 1:], rtol=1e-5, atol=1e-5)
+    assert not hasattr(moe.mlp.w1, "allreduce"), "the dense MLP is not an expert parameter"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=6, ep_size=4), "divisible by ep_size"),
+    (dict(num_experts=8, ep_size=2), "ep_size=2"),
+    (dict(use_tutel=True), "use_tutel"),
+    (dict(enable_expert_tensor_parallelism=True), "enable_expert_tensor_parallelism"),
+    (dict(noisy_gate_policy="Gumbel"), "noisy_gate_policy='Gumbel'"),
+    (dict(k=0), "k must be"),
+    (dict(num_experts=8, num_prototypes=3), "num_prototypes=3"),
+    (dict(num_experts=8, num_prototypes=4, k=3), "k=3 exceeds"),
+    (dict(capacity_factor=0.0), "capacity_factor must be"),
+    (dict(min_capacity=-1), "min_capacity"),
+    (dict(drop_policy="random"), "drop_policy='random'"),
+    (dict(dropless=True, drop_policy="probs"), "no effect in dropless"),
+    (dict(z_loss_coef=-1.0), "z_loss_coef"),
+    (dict(activation="tanh"), "activation='tanh'"),
+    (dict(deepspeed_compat=True), "use_rts=False"),
+    (dict(deepspeed_compat=True, use_rts=False, k=2), "top2_2nd_expert_sampling=False"),
+    (dict(deepspeed_compat=True, use_rts=False, k=3), "k must be 1 or 2"),
+    (dict(deepspeed_compat=True, use_rts=False, num_prototypes=2), "num_prototypes=1"),
+    (dict(deepspeed_compat=True, use_rts=False, noisy_gate_policy="RSample"), "RSample"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    base = dict(num_experts=8, ffn_hidden_size=FFN)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        MoE(D, **base)
+
+
+def test_bad_expert_arguments():
+    with pytest.raises(ValueError, match="pass ffn_hidden_size"):
+        MoE(D, num_experts=4)
+    mlp = nn.Sequential(nn.Linear(D, FFN), nn.GELU(), nn.Linear(FFN, D))
+    with pytest.raises(ValueError, match="leave them None"):
+        MoE(D, mlp, num_experts=4, ffn_hidden_size=FFN)
+    with pytest.raises(ValueError, match="cannot stack expert module"):
+        MoE(D, nn.Sequential(nn.Linear(D, FFN), nn.Tanh(), nn.Linear(FFN, D)), num_experts=4)
+    with pytest.raises(ValueError, match="works on width"):
+        MoE(D + 4, mlp, num_experts=4)
+
+    class Skip(nn.Module):  # layers look right, but forward adds a skip connection
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(D, FFN), nn.GELU(), nn.Linear(FFN, D)
+
+        def forward(self, x):
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    with pytest.raises(ValueError, match="forward is not Linear"):
+        MoE(D, Skip(), num_experts=4)
+    layer = MoE(D, num_experts=4, ffn_hidden_size=FFN, k=2, use_rts=False, top2_2nd_expert_sampling=False,
+                deepspeed_compat=True)
+    with pytest.raises(ValueError, match="ignores used_token"):
+        layer(torch.randn(8, D), used_token=torch.ones(8))
+    with pytest.raises(ValueError, match="last dim"):
+        layer(torch.randn(8, D + 1))
