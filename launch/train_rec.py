@@ -117,29 +117,50 @@ class RecJob:
         self.model_args = WideAndDeepArgs(vocab_sizes=self.vocab_sizes, num_dense=self.num_dense,
                                           embedding_dim=args.embedding_dim)
 
-    def train_batches(self, batches_done: int) -> Iterator[CTRBatch]:
-        """This rank's training batches, after each rank has consumed ``batches_done``."""
+    def train_stream(self, progress: "Progress", data_states: list[dict] | None):
+        """This rank's training stream, positioned after what ``progress`` says was consumed."""
         if self.data_cfg is not None:
-            return iter(SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank,
-                                           world_size=self.world_size, split="train",
-                                           start_batch=batches_done * self.world_size))
-        return iter(self._file_reader(self.args.train_files, batches_done * self.micro_batch * self.world_size))
+            return SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
+                                      split="train", start_batch=progress.micro_batches * self.world_size)
+        start_row = 0
+        if data_states:
+            if len(data_states) != self.world_size:
+                raise SystemExit(f"--resume: the checkpoint was written by {len(data_states)} ranks reading files; "
+                                 f"resume file streams with the same number of ranks, not {self.world_size}")
+            start_row = int(data_states[self.rank]["next_row"])  # exact even when bad rows were skipped
+        return self._file_reader(self.args.train_files, start_row)
 
-    def eval_batches(self) -> Iterator[CTRBatch]:
+    def eval_stream(self):
         if self.data_cfg is not None:
             total = math.ceil(self.args.eval_samples / self.micro_batch)
-            return iter(SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank,
-                                           world_size=self.world_size, split="eval", num_batches=total))
-        return iter(self._file_reader(self.args.eval_files, 0))
+            return SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
+                                      split="eval", num_batches=total)
+        return self._file_reader(self.args.eval_files, 0)
 
     def _file_reader(self, files: list[str], start_row: int):
         if not files:
             raise SystemExit(f"--data {self.args.data} needs --train-files and --eval-files")
-        from picasso_ops.data import CriteoTSVReader, ParquetCTRReader
+        from picasso_ops.data.criteo import CriteoTSVReader
+        from picasso_ops.data.parquet import ParquetCTRReader
 
         cls = CriteoTSVReader if self.args.data == "criteo" else ParquetCTRReader
-        return cls(files, batch_size=self.micro_batch, vocab_size=self.args.vocab, rank=self.rank,
-                   world_size=self.world_size, start_row=start_row, max_bad_fraction=self.args.max_bad_fraction)
+        return cls(files, self.micro_batch, vocab_sizes=self.args.vocab, rank=self.rank, world_size=self.world_size,
+                   start_row=start_row, max_bad_fraction=self.args.max_bad_fraction)
+
+
+def _global_batch(batch: CTRBatch | None, finite: bool, micro_batch: int) -> int:
+    """Samples in this micro-step over all ranks, or 0 when any rank's stream has ended.
+
+    File streams can end at different rows on different ranks (and the last batch may be
+    short), so they pay one tiny all-reduce per micro-step; the synthetic stream never ends.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not finite:
+        return micro_batch * world
+    have_and_size = torch.tensor([0, 0] if batch is None else [1, batch.batch_size])
+    if world > 1:
+        dist.all_reduce(have_and_size)
+    return int(have_and_size[1]) if int(have_and_size[0]) == world else 0
 
 
 def evaluate(engine, job: RecJob) -> dict[str, float]:
@@ -147,7 +168,7 @@ def evaluate(engine, job: RecJob) -> dict[str, float]:
     engine.eval()
     scores, labels, teacher = [], [], []
     with torch.no_grad():
-        for batch in job.eval_batches():
+        for batch in job.eval_stream():
             scores.append(torch.sigmoid(engine(batch.dense, batch.values, batch.lengths)).float())
             labels.append(batch.labels)
             if batch.teacher_prob is not None:
@@ -162,9 +183,12 @@ def evaluate(engine, job: RecJob) -> dict[str, float]:
     return out
 
 
-def _save(engine, ckpt_dir: Path, progress: Progress) -> str:
+def _save(engine, ckpt_dir: Path, progress: Progress, stream) -> str:
     tag = f"step{progress.step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"progress": dataclasses.asdict(progress)})
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, stream.state())  # DeepSpeed writes client_state from rank 0 only
+    engine.save_checkpoint(str(ckpt_dir), tag=tag,
+                           client_state={"progress": dataclasses.asdict(progress), "data_states": states})
     return str(ckpt_dir / tag)
 
 
@@ -183,33 +207,42 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = WideAndDeep(job.model_args)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
     ckpt_dir = out / "checkpoints"
-    progress = Progress()
+    progress, data_states = Progress(), None
     if args.resume:
         path, client = engine.load_checkpoint(str(ckpt_dir))
         if path is None:
             raise SystemExit(f"--resume: no checkpoint found in {ckpt_dir}")
-        progress = Progress(**client["progress"])
+        progress, data_states = Progress(**client["progress"]), client.get("data_states")
         if rank == 0:
             print(f"resumed from {path} at step {progress.step} (batch {progress.micro_batches} of each rank)")
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
     bar = tqdm(total=args.steps, initial=progress.step, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=1.0)
-    batches = job.train_batches(progress.micro_batches)
+    stream = job.train_stream(progress, data_states)
+    batches, finite = iter(stream), job.data_cfg is None
     train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
     running = torch.zeros(2)
-    while progress.step < args.steps:
-        t0 = time.perf_counter()
+    exhausted = False
+    while progress.step < args.steps and not exhausted:
+        t0, step_samples = time.perf_counter(), 0
         for _ in range(job.grad_accum):
-            batch = next(batches)
+            batch = next(batches, None)
+            global_batch = _global_batch(batch, finite, job.micro_batch)
+            if global_batch == 0:
+                exhausted = True  # a partial accumulation window is dropped, like drop_last
+                break
             loss = loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels)
             engine.backward(loss)
             engine.step()
             progress.micro_batches += 1
+            step_samples += global_batch
             running += torch.tensor([loss.item(), 1.0])
+        if exhausted:
+            break
         progress.step += 1
-        progress.samples += job.micro_batch * job.grad_accum * world
-        samples_this_run += job.micro_batch * job.grad_accum * world
+        progress.samples += step_samples
+        samples_this_run += step_samples
         train_time += time.perf_counter() - t0
         bar.update(1)
         if progress.step % 50 == 0:
@@ -224,13 +257,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             history.append({"step": progress.step, **metrics})
             engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
         if args.save_every and progress.step % args.save_every == 0:
-            last_ckpt = _save(engine, ckpt_dir, progress)
+            last_ckpt = _save(engine, ckpt_dir, progress, stream)
     bar.close()
+    if exhausted and rank == 0:
+        print(f"training data ran out after {progress.step} steps ({progress.samples:,} samples)")
 
     metrics = evaluate(engine, job)
     engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
     if last_ckpt is None or not last_ckpt.endswith(f"step{progress.step}"):
-        last_ckpt = _save(engine, ckpt_dir, progress)
+        last_ckpt = _save(engine, ckpt_dir, progress, stream)
     summary = {
         "world_size": world,
         "launcher": ctx.launcher,

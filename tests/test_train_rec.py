@@ -88,3 +88,41 @@ def test_file_data_needs_files(tmp_path):
     with pytest.raises(Exception, match="needs --train-files"):
         run_distributed(_run, 1, args=([*SMALL, "--config", _config(tmp_path), "--out", str(tmp_path / "x"),
                                         "--data", "criteo"],), timeout_s=55, init_process_group=False)
+
+
+def _write_criteo(path, rows, seed, bad_every=0):
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(rows):
+        if bad_every and i % bad_every == bad_every - 1:
+            lines.append("not-a-label\t1\t2")  # counted and skipped, never fatal under the threshold
+            continue
+        label = rng.random() < 0.25
+        ints = [str(rng.randint(0, 50)) if rng.random() > 0.1 else "" for _ in range(13)]
+        cats = [f"{rng.randint(0, 40):08x}" if rng.random() > 0.05 else "" for _ in range(26)]
+        lines.append("\t".join([str(int(label)), *ints, *cats]))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_criteo_files_train_until_data_runs_out_and_resume(tmp_path):
+    train = _write_criteo(tmp_path / "train.tsv", 1300, seed=0, bad_every=200)
+    evalf = _write_criteo(tmp_path / "eval.tsv", 400, seed=1)
+    cfg = _config(tmp_path, wandb={"enabled": False})
+    base = ["--config", cfg, "--data", "criteo", "--train-files", str(train), "--eval-files", str(evalf),
+            "--vocab", "64", "--threads", "1", "--max-bad-fraction", "0.05"]
+    out = run_distributed(_run, 2, args=([*base, "--steps", "100", "--out", str(tmp_path / "a")],),
+                          timeout_s=55, init_process_group=False)
+    # 1300 rows - 6 bad = 1294 good, 647 per rank: 10 full batches of 64 and a short one of 7
+    assert out[0]["steps"] == 11 and out[0]["samples"] == 1294
+    assert out[0]["eval_samples"] == 400
+    # Stop after 4 steps, resume: the per-rank row positions continue exactly.
+    run_distributed(_run, 2, args=([*base, "--steps", "4", "--out", str(tmp_path / "b")],),
+                    timeout_s=55, init_process_group=False)
+    resumed = run_distributed(_run, 2, args=([*base, "--steps", "100", "--out", str(tmp_path / "b"), "--resume"],),
+                              timeout_s=55, init_process_group=False)
+    assert resumed[0]["samples"] == 1294
+    assert resumed[0]["log_loss"] == pytest.approx(out[0]["log_loss"], abs=1e-6)

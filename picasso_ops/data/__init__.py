@@ -1,0 +1,28 @@
+"""Data pipeline of picasso_ops: CTR batches, a synthetic stream with a planted teacher,
+streaming Criteo TSV and parquet readers sharded by rank, and CTR metrics.
+
+    from picasso_ops.data import SyntheticConfig, SyntheticCTRStream, CriteoTSVReader, auc
+    stream = SyntheticCTRStream(SyntheticConfig(seed=3), batch_size=4096, rank=0, world_size=2)
+    reader = CriteoTSVReader(["day_0.tsv"], batch_size=4096, rank=0, world_size=2)
+"""
+from .batch import CTRBatch
+from .criteo import CriteoTSVReader
+from .metrics import auc, bayes_optimal_auc, bayes_optimal_log_loss, log_loss
+from .parquet import ParquetCTRReader
+from .quality import BadRow, DataError
+from .synthetic import SyntheticConfig, SyntheticCTRGenerator, SyntheticCTRStream
+
+__all__ = [
+    "CTRBatch",
+    "SyntheticConfig",
+    "SyntheticCTRGenerator",
+    "SyntheticCTRStream",
+    "CriteoTSVReader",
+    "ParquetCTRReader",
+    "DataError",
+    "BadRow",
+    "auc",
+    "log_loss",
+    "bayes_optimal_auc",
+    "bayes_optimal_log_loss",
+]
