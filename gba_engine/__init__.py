@@ -1,0 +1,48 @@
+"""gba_engine: GBA (Global Batch gradients Aggregation) over a parameter server, for DeepSpeed.
+
+Names are imported lazily so that reading the ``"gba"`` config block (``gba_engine.config``)
+does not pull in torch.distributed.
+
+Example::
+
+    from gba_engine import StalenessDecay, TokenControl, init_runtime, ParameterServer, PSClient
+    decay = StalenessDecay("inverse", threshold=2)
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GBAConfig": "config",
+    "StalenessDecay": "decay",
+    "Admission": "tokens",
+    "GlobalBatchBuffer": "tokens",
+    "GlobalBatchGradient": "tokens",
+    "TokenControl": "tokens",
+    "TokenStats": "tokens",
+    "grads_per_update": "tokens",
+    "DenseSharding": "ps",
+    "EmbeddingSpec": "ps",
+    "Layout": "ps",
+    "OptimizerSpec": "ps",
+    "PSClient": "ps",
+    "PSConnectionError": "ps",
+    "PSRuntime": "ps",
+    "PSStalledError": "ps",
+    "ParameterServer": "ps",
+    "Pulled": "ps",
+    "ServeStats": "ps",
+    "init_runtime": "ps",
+    "layout": "ps",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gba_engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value

@@ -83,12 +83,16 @@ def run_distributed(
     timeout_s: float = 45.0,
     init_process_group: bool = True,
     threads_per_rank: int = 1,
+    expect_exit: dict[int, int] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (module level). Returns the per-rank results in rank
     order. Raises DistributedRunError on the first failure or at ``timeout_s``.
+    ``expect_exit={rank: code}`` names ranks that must die with that exit code and
+    no result (fault-injection tests); their entry in the returned list is ``None``.
     """
+    expect_exit = dict(expect_exit or {})
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -111,11 +115,17 @@ def run_distributed(
     outputs: dict[int, Any] = {}
     try:
         while len(outputs) < world_size:
+            for r, code in expect_exit.items():
+                if r not in outputs and procs[r].exitcode is not None:
+                    if procs[r].exitcode != code:
+                        raise DistributedRunError(
+                            f"rank {r} was expected to exit with code {code}, got {procs[r].exitcode}")
+                    outputs[r] = None
             try:
                 rank, ok, payload = results.get(timeout=0.2)
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if r not in outputs and p.exitcode is not None]
+                        if r not in outputs and r not in expect_exit and p.exitcode is not None]
                 if dead:
                     # A process may have exited right after putting its result: drain once more.
                     try:
@@ -134,6 +144,9 @@ def run_distributed(
                     continue
             if not ok:
                 raise DistributedRunError(f"rank {rank} of {world_size} failed:\n{payload}")
+            if rank in expect_exit:
+                raise DistributedRunError(f"rank {rank} was expected to exit with code {expect_exit[rank]} "
+                                          f"but returned {payload!r}")
             outputs[rank] = payload
     finally:
         _stop_all(procs)

@@ -66,3 +66,17 @@ def test_free_port_is_bindable():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         run_distributed(_hang, world_size=0)
+
+
+def _rank1_exits(rank, world_size):
+    if rank == 1:
+        os._exit(17)
+    return rank * 10
+
+
+def test_expected_exit_is_accepted_and_checked():
+    assert run_distributed(_rank1_exits, 2, timeout_s=30, init_process_group=False, expect_exit={1: 17}) == [0, None]
+    with pytest.raises(DistributedRunError, match="rank 1 was expected to exit with code 5, got 17"):
+        run_distributed(_rank1_exits, 2, timeout_s=30, init_process_group=False, expect_exit={1: 5})
+    with pytest.raises(DistributedRunError, match="rank 0 was expected to exit with code 3 but returned 0"):
+        run_distributed(_rank1_exits, 2, timeout_s=30, init_process_group=False, expect_exit={0: 3, 1: 17})

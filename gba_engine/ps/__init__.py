@@ -1,0 +1,28 @@
+"""Parameter server for GBA: dedicated server ranks in the same launch, gloo point-to-point, TCPStore control plane.
+
+Example::
+
+    rt = init_runtime(GBAConfig(num_servers=1))           # every rank, after init_process_group
+    specs = [EmbeddingSpec("user", 10_000, 16)]
+    if rt.is_server:
+        ParameterServer(rt, cfg, n, specs, OptimizerSpec.of("sgd", lr=0.1)).serve(until_version=100)
+    else:
+        client = PSClient(rt, n, specs)
+        got = client.pull({"user": ids})
+        client.push(dense_grad, {"user": ids}, {"user": row_grads}, got.token, num_samples=len(ids))
+        client.close()
+    rt.close()
+"""
+from .client import PSClient, PSStalledError, Pulled, Token
+from .optim import LazyAdagrad, LazyAdam, LazySGD, OptimizerSpec, RowOptimizer
+from .runtime import Layout, Liveness, PSConnectionError, PSRuntime, init_runtime, layout
+from .server import ParameterServer, ServeStats
+from .sharding import DenseSharding, EmbeddingSpec, RowRoute
+from .wire import Header, Kind, ProtocolError
+
+__all__ = [
+    "DenseSharding", "EmbeddingSpec", "Header", "Kind", "LazyAdagrad", "LazyAdam", "LazySGD", "Layout",
+    "Liveness", "OptimizerSpec", "PSClient", "PSConnectionError", "PSRuntime", "PSStalledError",
+    "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "Token",
+    "init_runtime", "layout",
+]

@@ -1,0 +1,224 @@
+"""The config's optimizer, run on the parameter servers: torch's for the dense shard, lazy row-wise for tables.
+
+:class:`OptimizerSpec` reads DeepSpeed's ``"optimizer"`` block the way DeepSpeed 0.19.8
+does on its ``torch_adam`` path (``_configure_basic_optimizer``): ``Adam`` means AdamW
+unless ``"adam_w_mode": false``, ``AdamW`` is AdamW, ``SGD``/``Adagrad`` are torch's, and
+the hyperparameters go to the torch class unchanged (so torch's defaults apply, e.g.
+AdamW's ``weight_decay=0.01`` when the block gives none, exactly as under DeepSpeed).
+
+Dense shards use the torch optimizer itself: the supported optimizers are element-wise,
+so a shard's update equals the same slice of the full update.
+
+Embedding shards use a lazy variant that reads and writes only the rows present in the
+global batch (``index`` gather, update, scatter: no per-id Python loop):
+
+* Adam/AdamW: torch's Adam formula on those rows, with per-row moments and one step
+  count per table (= updates applied). That is TF's LazyAdam; it equals dense torch Adam
+  exactly for rows present in every batch, and an absent row keeps its value and moments
+  (dense Adam would keep moving it on momentum).
+* SGD: plain, momentum (per-row buffers, started like torch's on a row's first update),
+  weight decay and Nesterov, on present rows only.
+* Adagrad: per-row accumulators, torch's formula with the table's step count for ``lr_decay``.
+
+Example::
+
+    spec = OptimizerSpec.from_deepspeed({"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
+    dense_opt = spec.build_dense([shard_param])          # torch.optim.AdamW
+    rows = spec.build_rows(initial_table_shard)          # LazyAdam owning the table
+    rows.step(local_ids, row_grads)
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+SUPPORTED = ("adam", "adamw", "sgd", "adagrad")
+_DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fp32_optimizer_states")  # consumed by DeepSpeed, not torch
+_IMPLEMENTATION_ONLY = ("foreach", "fused", "capturable", "differentiable")  # speed knobs: same maths
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer type (``adam``, ``adamw``, ``sgd``, ``adagrad``) and its torch keyword arguments."""
+
+    type: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.type not in SUPPORTED:
+            raise ValueError(f"parameter-server optimizer must be one of {SUPPORTED}, got {self.type!r}")
+        try:  # fail at construction, with the type named, rather than on the first server step
+            self.build_dense([torch.nn.Parameter(torch.zeros(1))])
+            self.build_rows(torch.zeros(1, 1))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"optimizer {self.type!r} with params {dict(self.params)}: {exc}") from exc
+
+    @classmethod
+    def of(cls, type: str, **params: Any) -> "OptimizerSpec":
+        """Direct construction: ``OptimizerSpec.of("adam", lr=1e-3, betas=(0.9, 0.99))``."""
+        return cls(type=type.lower(), params=tuple(sorted(params.items())))
+
+    @classmethod
+    def from_deepspeed(cls, block: Mapping[str, Any]) -> "OptimizerSpec":
+        """From a DeepSpeed ``"optimizer"`` block (``{"type": ..., "params": {...}}``).
+
+        Example::
+
+            OptimizerSpec.from_deepspeed({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}})
+        """
+        if "type" not in block:
+            raise ValueError(f"optimizer block needs a 'type', got keys {sorted(block)}")
+        name = str(block["type"]).lower()
+        params = dict(block.get("params") or {})
+        if name in ("adam", "adamw"):
+            adam_w_mode = bool(params.get("adam_w_mode", True))
+            name = "adamw" if (name == "adamw" or adam_w_mode) else "adam"
+        elif name not in SUPPORTED:
+            raise ValueError(
+                f"optimizer type {block['type']!r} cannot run on the parameter servers; supported: "
+                "Adam, AdamW, SGD, Adagrad (element-wise optimizers shard exactly)"
+            )
+        kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items() if k not in _DEEPSPEED_ONLY}
+        return cls(type=name, params=tuple(sorted(kept.items())))
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The torch keyword arguments (a fresh dict)."""
+        return dict(self.params)
+
+    def build_dense(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
+        """The torch optimizer over a dense shard."""
+        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+               "adagrad": torch.optim.Adagrad}[self.type]
+        return cls(list(params), **self.kwargs)
+
+    def build_rows(self, weight: Tensor) -> "RowOptimizer":
+        """A lazy row-wise optimizer that owns ``weight`` (a [rows, dim] table shard; copied)."""
+        kwargs = {k: v for k, v in self.kwargs.items() if k not in _IMPLEMENTATION_ONLY}
+        if self.type in ("adam", "adamw"):
+            return LazyAdam(weight, decoupled=self.type == "adamw", **kwargs)
+        if self.type == "sgd":
+            return LazySGD(weight, **kwargs)
+        return LazyAdagrad(weight, **kwargs)
+
+
+class RowOptimizer(abc.ABC):
+    """A table shard and its optimizer state; :meth:`step` updates only the given rows."""
+
+    def __init__(self, weight: Tensor) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"a table shard must be 2-D [rows, dim], got shape {tuple(weight.shape)}")
+        self.weight = weight.detach().to(torch.float32).clone()
+        self.steps = 0  # updates applied to this table (its bias-correction / lr-decay clock)
+
+    def step(self, rows: Tensor, grad: Tensor) -> None:
+        """Apply one global-batch update: ``rows`` unique local indices, ``grad`` [len(rows), dim]."""
+        if grad.shape != (rows.numel(), self.weight.shape[1]):
+            raise ValueError(f"row gradient shape {tuple(grad.shape)} != ({rows.numel()}, {self.weight.shape[1]})")
+        self.steps += 1  # every update ticks the clock, present rows or not, as dense torch optimizers do
+        if rows.numel():
+            self._update(rows, grad.to(torch.float32))
+
+    def put(self, rows: Tensor, values: Tensor) -> None:
+        """Overwrite row values (initialisation, cache write-back); optimizer state is kept."""
+        self.weight[rows] = values.to(torch.float32)
+
+    @abc.abstractmethod
+    def _update(self, rows: Tensor, grad: Tensor) -> None:
+        """Update ``self.weight[rows]`` and the optimizer state of those rows from ``grad``."""
+
+
+class LazySGD(RowOptimizer):
+    """torch.optim.SGD on the present rows (per-row momentum buffers)."""
+
+    def __init__(self, weight: Tensor, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False) -> None:
+        super().__init__(weight)
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"invalid SGD hyperparameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        self.lr, self.momentum, self.dampening = lr, momentum, dampening
+        self.weight_decay, self.nesterov, self.maximize = weight_decay, nesterov, maximize
+        if momentum:
+            self.buf = torch.zeros_like(self.weight)
+            self.started = torch.zeros(self.weight.shape[0], dtype=torch.bool)
+
+    def _update(self, rows: Tensor, grad: Tensor) -> None:
+        p = self.weight[rows]
+        d_p = -grad if self.maximize else grad
+        if self.weight_decay:
+            d_p = d_p.add(p, alpha=self.weight_decay)
+        if self.momentum:
+            old = self.buf[rows]
+            started = self.started[rows].unsqueeze(1)
+            # torch starts a buffer at the first gradient (no dampening); later steps blend
+            buf = torch.where(started, old * self.momentum + d_p * (1 - self.dampening), d_p)
+            self.buf[rows] = buf
+            self.started[rows] = True
+            d_p = d_p.add(buf, alpha=self.momentum) if self.nesterov else buf
+        self.weight[rows] = p.add(d_p, alpha=-self.lr)
+
+
+class LazyAdam(RowOptimizer):
+    """torch.optim.Adam / AdamW on the present rows, per-row moments, one step count per table."""
+
+    def __init__(self, weight: Tensor, decoupled: bool, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False,
+                 maximize: bool = False) -> None:
+        super().__init__(weight)
+        if amsgrad:
+            raise ValueError("amsgrad is not supported for embedding rows on the parameter servers")
+        if weight_decay is None:
+            weight_decay = 1e-2 if decoupled else 0.0  # torch's AdamW / Adam defaults
+        b1, b2 = betas
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"invalid Adam hyperparameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+        self.lr, self.beta1, self.beta2, self.eps = lr, b1, b2, eps
+        self.weight_decay, self.decoupled, self.maximize = weight_decay, decoupled, maximize
+        self.exp_avg = torch.zeros_like(self.weight)
+        self.exp_avg_sq = torch.zeros_like(self.weight)
+
+    def _update(self, rows: Tensor, grad: Tensor) -> None:
+        p = self.weight[rows]
+        g = -grad if self.maximize else grad
+        if self.weight_decay:
+            if self.decoupled:
+                p = p * (1 - self.lr * self.weight_decay)
+            else:
+                g = g.add(p, alpha=self.weight_decay)
+        m = self.exp_avg[rows].lerp(g, 1 - self.beta1)
+        v = self.exp_avg_sq[rows].mul(self.beta2).addcmul(g, g, value=1 - self.beta2)
+        bias1 = 1 - self.beta1 ** self.steps
+        bias2_sqrt = math.sqrt(1 - self.beta2 ** self.steps)
+        denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+        self.exp_avg[rows] = m
+        self.exp_avg_sq[rows] = v
+        self.weight[rows] = p.addcdiv(m, denom, value=-self.lr / bias1)
+
+
+class LazyAdagrad(RowOptimizer):
+    """torch.optim.Adagrad on the present rows (per-row accumulators)."""
+
+    def __init__(self, weight: Tensor, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False) -> None:
+        super().__init__(weight)
+        if lr < 0 or lr_decay < 0 or weight_decay < 0 or initial_accumulator_value < 0 or eps < 0:
+            raise ValueError(f"invalid Adagrad hyperparameters lr={lr} lr_decay={lr_decay} wd={weight_decay}")
+        self.lr, self.lr_decay, self.weight_decay, self.eps, self.maximize = lr, lr_decay, weight_decay, eps, maximize
+        self.state_sum = torch.full_like(self.weight, initial_accumulator_value)
+
+    def _update(self, rows: Tensor, grad: Tensor) -> None:
+        p = self.weight[rows]
+        g = -grad if self.maximize else grad
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        clr = self.lr / (1 + (self.steps - 1) * self.lr_decay)
+        s = self.state_sum[rows].addcmul(g, g, value=1)
+        self.state_sum[rows] = s
+        self.weight[rows] = p.addcdiv(g, s.sqrt().add_(self.eps), value=-clr)

@@ -1,0 +1,304 @@
+"""Roles, process groups and the TCPStore control plane of a parameter-server launch.
+
+In one launch of W ranks the last ``num_servers`` ranks are parameter servers and the
+rest are workers. :func:`init_runtime` (called by every rank, right after
+``torch.distributed`` / ``deepspeed.init_distributed``) builds:
+
+* ``ps_group``: a gloo group of all ranks used only for PS point-to-point traffic, so it
+  never interleaves with DeepSpeed collectives;
+* ``worker_group``: the workers only (default backend), DeepSpeed's data-parallel group
+  in sync mode (``None`` on server ranks);
+* a TCPStore control plane hosted by the **first server rank** on a port the OS picks
+  (published through the default store). Not the default store: its master lives in
+  rank 0, a worker, and a worker must be able to die without taking the control plane
+  with it; a separate client connection also gets its own timeouts without touching
+  the ones c10d and DeepSpeed rely on.
+
+The store carries the doorbells (one queue per rank: a sender pushes its rank after
+posting its gloo sends, the receiver pops with a deadline and only then posts the gloo
+recv), heartbeats (a counter per rank, bumped by a daemon thread; observers time the
+changes on their own clock, so hosts need no synchronised clocks), published versions
+and the close handshake.
+
+Example::
+
+    dist.init_process_group("gloo")
+    rt = init_runtime(GBAConfig(num_servers=1))
+    if rt.is_server:
+        ParameterServer(rt, ...).serve(until_version=100)
+    else:
+        client = PSClient(rt, ...)
+    rt.close()
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Iterable
+
+import torch.distributed as dist
+from torch.distributed import TCPStore
+
+from ..config import GBAConfig
+
+logger = logging.getLogger(__name__)
+
+_GENERATION = itertools.count()  # every rank creates runtimes in the same order: a shared key suffix
+HEARTBEAT_LEASE = 5  # a rank whose heartbeat did not move for this many periods is presumed lost
+
+
+class PSConnectionError(RuntimeError):
+    """A peer of the parameter-server protocol died or stopped answering within its deadline."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which ranks of a launch are workers and which are parameter servers.
+
+    Example::
+
+        lay = layout(world_size=4, num_servers=1)
+        lay.workers, lay.servers, lay.role(3), lay.server_index(3)   # (0, 1, 2), (3,), 'server', 0
+    """
+
+    world_size: int
+    num_servers: int
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        """Worker ranks (the first ``world_size - num_servers``)."""
+        return tuple(range(self.world_size - self.num_servers))
+
+    @property
+    def servers(self) -> tuple[int, ...]:
+        """Server ranks (the last ``num_servers``), in server-index order."""
+        return tuple(range(self.world_size - self.num_servers, self.world_size))
+
+    def role(self, rank: int) -> str:
+        """``"worker"`` or ``"server"``."""
+        self._check(rank)
+        return "server" if rank >= self.world_size - self.num_servers else "worker"
+
+    def server_index(self, rank: int) -> int:
+        """Index 0..S-1 of a server rank (its dense range and its ids ``id % S``)."""
+        if self.role(rank) != "server":
+            raise ValueError(f"rank {rank} is a worker, not a server, in {self}")
+        return rank - (self.world_size - self.num_servers)
+
+    def worker_index(self, rank: int) -> int:
+        """Index 0..N-1 of a worker rank (its data shard)."""
+        if self.role(rank) != "worker":
+            raise ValueError(f"rank {rank} is a server, not a worker, in {self}")
+        return rank
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a launch of {self.world_size} ranks")
+
+
+def layout(world_size: int, num_servers: int) -> Layout:
+    """Validate and build the :class:`Layout` of a launch (raises a clear ValueError)."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if num_servers < 1:
+        raise ValueError(f"gba.num_servers must be >= 1, got {num_servers}")
+    if num_servers >= world_size:
+        raise ValueError(
+            f"gba.num_servers={num_servers} leaves no worker in a launch of {world_size} ranks: the last "
+            f"num_servers ranks become parameter servers, so launch at least {num_servers + 1} ranks "
+            f"or lower gba.num_servers"
+        )
+    return Layout(world_size=world_size, num_servers=num_servers)
+
+
+def inbox_key(rank: int) -> str:
+    """The doorbell queue of ``rank``."""
+    return f"gba/inbox/{rank}"
+
+
+def heartbeat_key(rank: int) -> str:
+    """The heartbeat counter of ``rank``."""
+    return f"gba/hb/{rank}"
+
+
+def version_key(rank: int) -> str:
+    """Where server ``rank`` publishes its model version after each update."""
+    return f"gba/version/{rank}"
+
+
+def _closed_key(rank: int) -> str:
+    return f"gba/closed/{rank}"
+
+
+def _reachable_host(master_addr: str) -> str:
+    """The address of this host that peers reaching ``master_addr`` can reach too."""
+    try:
+        infos = socket.getaddrinfo(master_addr, None, socket.AF_INET)
+        if infos and infos[0][4][0].startswith("127."):
+            return "127.0.0.1"  # a loopback launch: stay on loopback (DESIGN: never the hostname -I address)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((infos[0][4][0], 9))  # UDP connect sends nothing; it only picks the outgoing interface
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise PSConnectionError(f"cannot find an address of this host that reaches MASTER_ADDR={master_addr}: {exc}") from exc
+
+
+class _Heartbeat:
+    """Daemon thread bumping this rank's heartbeat counter every period, on its own store client."""
+
+    def __init__(self, host: str, port: int, rank: int, period_s: float, timeout_s: float) -> None:
+        self._stop = threading.Event()
+        self._store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        self._store.add(heartbeat_key(rank), 1)  # the key exists before anyone polls it
+        self._thread = threading.Thread(target=self._run, args=(rank, period_s), name=f"gba-heartbeat-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, rank: int, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            try:
+                self._store.add(heartbeat_key(rank), 1)
+            except Exception as exc:  # the store host has shut down: nobody is listening any more
+                logger.debug("heartbeat of rank %d stopped: %s", rank, exc)
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+
+class Liveness:
+    """Tells which ranks' heartbeats stopped moving for longer than the lease.
+
+    Example::
+
+        live = Liveness(rt, ranks=rt.layout.workers)
+        live.poll()          # set of ranks presumed lost now
+    """
+
+    def __init__(self, runtime: "PSRuntime", ranks: Iterable[int]) -> None:
+        self._rt = runtime
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in ranks}  # rank -> (last counter, when it last changed)
+
+    @property
+    def lease_s(self) -> float:
+        """Seconds without a heartbeat after which a rank is presumed lost."""
+        return HEARTBEAT_LEASE * self._rt.heartbeat_s
+
+    def poll(self) -> set[int]:
+        """Read every tracked heartbeat once; return the ranks presumed lost."""
+        now = time.monotonic()
+        lost = set()
+        for rank, (last, since) in self._seen.items():
+            beat = self._rt.store.add(heartbeat_key(rank), 0)  # add 0: reads without blocking on a missing key
+            if beat != last:
+                self._seen[rank] = (beat, now)
+            elif now - since > self.lease_s:
+                lost.add(rank)
+        return lost
+
+
+@dataclasses.dataclass
+class PSRuntime:
+    """Everything a PS server or client needs: rank, layout, groups, control-plane store."""
+
+    rank: int
+    layout: Layout
+    ps_group: dist.ProcessGroup
+    worker_group: dist.ProcessGroup | None
+    store: TCPStore  # main-thread client (TCPStore clients are not shared across threads)
+    store_host: str
+    store_port: int
+    timeout_s: float
+    heartbeat_s: float
+    _heartbeat: _Heartbeat | None = None
+    _closed: bool = False
+
+    @property
+    def is_server(self) -> bool:
+        """True on parameter-server ranks."""
+        return self.layout.role(self.rank) == "server"
+
+    def ring(self, dst: int) -> None:
+        """Tell ``dst`` that a message from this rank is on its way (after its isends are posted)."""
+        self.store.queue_push(inbox_key(dst), str(self.rank))
+
+    def wait_doorbell(self, timeout_s: float) -> int | None:
+        """The rank whose message arrived next, or None after ``timeout_s`` (a harmless store timeout)."""
+        self.store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        try:
+            raw = self.store.queue_pop(inbox_key(self.rank), block=True)
+        except dist.DistStoreError:
+            return None
+        finally:
+            self.store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        return int(raw)
+
+    def close(self) -> None:
+        """Stop the heartbeat and say goodbye; the store host waits (bounded) for everyone else first."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop(timeout_s=self.heartbeat_s + 1.0)
+        try:
+            self.store.set(_closed_key(self.rank), "1")
+        except Exception as exc:  # the store host is gone after a finished run: nothing left to tell
+            logger.debug("rank %d could not mark itself closed: %s", self.rank, exc)
+            return
+        if self.rank != self.layout.servers[0]:
+            return
+        # The host keeps the store up until every other rank is closed or presumed lost.
+        others = [r for r in range(self.layout.world_size) if r != self.rank]
+        live = Liveness(self, others)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            pending = [r for r in others if not self.store.check([_closed_key(r)])]
+            if not pending or set(pending) <= live.poll():
+                return
+            time.sleep(min(0.05, self.heartbeat_s))
+        logger.warning("PS store host closing with ranks %s still open after %.0fs", pending, self.timeout_s)
+
+
+def init_runtime(config: GBAConfig) -> PSRuntime:
+    """Create the PS groups and control plane; every rank of the launch must call it, in the same order.
+
+    Raises ValueError for a bad ``num_servers`` (on every rank, before any collective).
+
+    Example::
+
+        rt = init_runtime(GBAConfig(num_servers=2, timeout_s=30))
+        rt.layout.servers       # the last two ranks
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("init_runtime needs torch.distributed initialised (deepspeed.init_distributed) first")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lay = layout(world, config.num_servers)
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    ps_group = dist.new_group(ranks=list(range(world)), backend="gloo", timeout=timeout)
+    worker_group = dist.new_group(ranks=list(lay.workers), timeout=timeout)
+    if rank not in lay.workers:
+        worker_group = None
+    default_store = dist.distributed_c10d._get_default_store()
+    addr_key = f"gba/ps_store/{next(_GENERATION)}"
+    if rank == lay.servers[0]:
+        host = _reachable_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        port = store.port
+        default_store.set(addr_key, f"{host}:{port}")
+    else:
+        host, _, port_text = default_store.get(addr_key).decode().rpartition(":")
+        port = int(port_text)
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
+    heartbeat = _Heartbeat(host, port, rank, config.heartbeat_s, config.timeout_s)
+    logger.info("rank %d is a PS %s; control plane at %s:%d", rank, lay.role(rank), host, port)
+    return PSRuntime(rank=rank, layout=lay, ps_group=ps_group, worker_group=worker_group, store=store,
+                     store_host=host, store_port=port, timeout_s=config.timeout_s,
+                     heartbeat_s=config.heartbeat_s, _heartbeat=heartbeat)

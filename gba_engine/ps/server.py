@@ -1,0 +1,407 @@
+"""The parameter server: one shard of the dense vector and of every table, GBA token control, the optimizer.
+
+Server ``s`` of ``S`` owns the dense range ``DenseSharding(numel, S).bounds[s]`` and the
+rows ``id % S == s`` of every table. It runs a single-threaded event loop:
+
+1. pop the next doorbell from its TCPStore inbox (a deadline of ``heartbeat_s``; an idle
+   tick checks heartbeats and stalls);
+2. receive that worker's announced message over gloo (header, then payloads);
+3. ``PULL``: reply with the dense shard and/or the asked rows and the current version
+   (the token), or keep the request until ``version >= min_version``;
+   ``PUSH``: weigh the gradient by ``decay(version - token)`` and add it to the
+   global-batch buffer; after M admitted gradients apply their weighted mean once with
+   the optimizer, ``version += 1``, and answer the pulls that waited for it;
+   ``PUT``: overwrite dense values / rows; ``BYE``: the worker is done.
+
+No barrier among workers: whoever pushes next is served next, so a fast worker makes
+more pushes than a slow one. A worker that dies (its gloo pair closes) or stops
+heartbeating is dropped; its in-flight token is simply never seen and the others fill
+M. After ``until_version`` the server answers pulls with the final parameters and a
+finished flag and drains pushes until every worker has said goodbye or is gone.
+
+Example::
+
+    rt = init_runtime(cfg)                               # on every rank
+    if rt.is_server:
+        ps = ParameterServer(rt, cfg, dense_numel=n, embedding_specs=specs,
+                             optimizer_spec=OptimizerSpec.of("sgd", lr=0.1), dense_init=flat0)
+        stats = ps.serve(until_version=100)              # ServeStats(version=100, ...)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import time
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..config import GBAConfig
+from ..decay import StalenessDecay
+from ..tokens import GlobalBatchBuffer, TokenControl
+from .optim import OptimizerSpec, RowOptimizer
+from .runtime import Liveness, PSConnectionError, PSRuntime, version_key
+from .sharding import DenseSharding, EmbeddingSpec, local_index
+from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_STALLED, Header, Kind, Outgoing, ProtocolError, pack_floats,
+                   recv_message, schema_id, send_message, unpack_floats, unpack_ints)
+
+logger = logging.getLogger(__name__)
+
+
+class _Peer(enum.Enum):
+    ACTIVE = "active"
+    SILENT = "silent"  # heartbeat lapsed; comes back to ACTIVE if it talks again
+    BYE = "bye"
+    DEAD = "dead"  # its gloo pair broke: it can never talk to this server again
+
+
+@dataclasses.dataclass(frozen=True)
+class _PendingPull:
+    src: int
+    seq: int
+    min_version: int
+    want_dense: bool
+    rows: tuple[Tensor, ...]  # local row indices per table
+
+
+@dataclasses.dataclass
+class ServeStats:
+    """What one :meth:`ParameterServer.serve` call did (plain data, picklable)."""
+
+    server: int
+    version: int
+    updates: int
+    tokens: dict  # TokenStats.as_dict(): received/counted/dropped/decayed/rejected/staleness histogram
+    pushes: dict  # worker rank -> pushes received before finishing
+    drained: int  # pushes received after finishing (discarded)
+    lost_workers: list  # workers that died or stopped heartbeating
+    stalls: int  # times every live worker waited for a version nobody could produce
+    seconds: float
+
+
+class ParameterServer:
+    """One parameter-server shard; call :meth:`serve` on a server rank.
+
+    ``grads_per_update`` is M (default: the number of workers, i.e. global batch =
+    workers x local batch). ``dense_init`` is the full flat dense vector (the server keeps
+    its range); ``table_init`` maps a table name to its full initial table (the server
+    keeps rows ``id % S == s``); tables without one start N(0, init_std) from the spec's seed.
+
+    Example::
+
+        ps = ParameterServer(rt, GBAConfig(), 1000, [EmbeddingSpec("user", 10_000, 16)],
+                             OptimizerSpec.of("adamw", lr=1e-3), grads_per_update=4)
+        ps.serve(until_version=500)
+    """
+
+    def __init__(
+        self,
+        runtime: PSRuntime,
+        config: GBAConfig,
+        dense_numel: int,
+        embedding_specs: Sequence[EmbeddingSpec],
+        optimizer_spec: OptimizerSpec,
+        *,
+        grads_per_update: int | None = None,
+        dense_init: Tensor | None = None,
+        table_init: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        if not runtime.is_server:
+            raise ValueError(f"rank {runtime.rank} is a worker; ParameterServer runs on {runtime.layout.servers}")
+        names = [s.name for s in embedding_specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"embedding table names must be unique, got {names}")
+        unknown = set(table_init or {}) - set(names)
+        if unknown:
+            raise ValueError(f"table_init names {sorted(unknown)} are not among the tables {names}")
+        self.rt = runtime
+        self.index = runtime.layout.server_index(runtime.rank)
+        self.num_servers = runtime.layout.num_servers
+        self.specs = tuple(embedding_specs)
+        self.workers = runtime.layout.workers
+        self.schema = schema_id(dense_numel, self.specs)
+        self.dense_numel = dense_numel
+        start, end = DenseSharding(dense_numel, self.num_servers).bounds[self.index]
+        self.dense_range = (start, end)
+        if dense_init is not None and dense_init.shape != (dense_numel,):
+            raise ValueError(f"dense_init must have shape ({dense_numel},), got {tuple(dense_init.shape)}")
+        shard = (dense_init[start:end] if dense_init is not None else torch.zeros(end - start)).detach()
+        self._dense = torch.nn.Parameter(shard.to(torch.float32).clone())
+        self._dense_opt = optimizer_spec.build_dense([self._dense]) if end > start else None
+        self._tables: dict[str, RowOptimizer] = {}
+        for spec in self.specs:
+            self._tables[spec.name] = optimizer_spec.build_rows(self._initial_rows(spec, (table_init or {}).get(spec.name)))
+        m = len(self.workers) if grads_per_update is None else grads_per_update
+        self.control = TokenControl(m, StalenessDecay.from_config(config.staleness))
+        self._buffer = GlobalBatchBuffer(end - start, {s.name: s.dim for s in self.specs})
+        self._peers = {w: _Peer.ACTIVE for w in self.workers}
+        self._silent_since: dict[int, float] = {}
+        self._next_seq = {w: 0 for w in self.workers}
+        self._outgoing: dict[int, list[Outgoing]] = {w: [] for w in self.workers}
+        self._deferred: list[_PendingPull] = []
+        self._pushes: collections.Counter = collections.Counter()
+        self._drained = 0
+        self._stalls = 0
+        self._finished = False
+        logger.info("PS %d (rank %d): dense [%d, %d), tables %s, M=%d", self.index, runtime.rank, start, end,
+                    {s.name: s.local_rows(self.index, self.num_servers) for s in self.specs}, m)
+
+    def _initial_rows(self, spec: EmbeddingSpec, full: Tensor | None) -> Tensor:
+        if full is not None:
+            if full.shape != (spec.num_rows, spec.dim):
+                raise ValueError(f"table_init[{spec.name!r}] must be [{spec.num_rows}, {spec.dim}], got {tuple(full.shape)}")
+            return full[self.index::self.num_servers]
+        gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + self.index)  # distinct stream per shard
+        rows = spec.local_rows(self.index, self.num_servers)
+        return torch.randn(rows, spec.dim, generator=gen) * spec.init_std
+
+    @property
+    def version(self) -> int:
+        """Updates applied by this shard."""
+        return self.control.version
+
+    def dense_shard(self) -> Tensor:
+        """A copy of this server's dense range."""
+        return self._dense.detach().clone()
+
+    def table_shard(self, name: str) -> Tensor:
+        """A copy of this server's rows of table ``name`` (local row i is id ``i * S + s``)."""
+        return self._tables[name].weight.clone()
+
+    # ----------------------------------------------------------------- event loop
+    def serve(self, until_version: int | None = None, max_seconds: float | None = None) -> ServeStats:
+        """Serve until ``until_version`` updates are applied, then until every live worker said goodbye.
+
+        With ``until_version=None`` it serves until no worker is left (all said goodbye or
+        died). Raises PSConnectionError when no live worker is left before ``until_version``
+        (silent ones get ``timeout_s`` to come back), TimeoutError after ``max_seconds``.
+        Every wait is bounded by ``heartbeat_s``.
+        """
+        t0 = time.monotonic()
+        start_version = self.version
+        live = Liveness(self.rt, self.workers)
+        next_check = last_active = t0
+        self._finish_if_done(until_version)
+        while not self._should_stop(until_version, time.monotonic() - last_active):
+            if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                raise TimeoutError(f"PS {self.index}: serve() passed max_seconds={max_seconds} at version {self.version}")
+            src = self.rt.wait_doorbell(self.rt.heartbeat_s)
+            if src is not None:
+                self._handle(src, until_version)
+            now = time.monotonic()
+            if src is None or now >= next_check:
+                next_check = now + self.rt.heartbeat_s
+                self._check_liveness(live)
+                self._check_stall()
+            if any(p is _Peer.ACTIVE for p in self._peers.values()):
+                last_active = now
+        self._flush_outgoing()
+        stats = ServeStats(
+            server=self.index, version=self.version, updates=self.version - start_version, tokens=self.control.stats.as_dict(),
+            pushes=dict(self._pushes), drained=self._drained,
+            lost_workers=sorted(w for w, p in self._peers.items() if p in (_Peer.DEAD, _Peer.SILENT)),
+            stalls=self._stalls, seconds=time.monotonic() - t0,
+        )
+        logger.info("PS %d done: %s", self.index, stats)
+        return stats
+
+    def _should_stop(self, until_version: int | None, idle_s: float) -> bool:
+        states = set(self._peers.values())
+        if _Peer.ACTIVE in states:
+            return False
+        if self._finished:
+            return True  # final parameters are served; silent workers are presumed lost, not waited for
+        if _Peer.SILENT in states and idle_s < self.rt.timeout_s:
+            return False  # a silent worker may only be slow: give it timeout_s to come back
+        if until_version is None and _Peer.SILENT not in states:
+            return True  # every worker said goodbye (or died): an open-ended serve is over
+        raise PSConnectionError(
+            f"PS {self.index}: no live worker at version {self.version} (until_version={until_version}); "
+            f"peers: { {w: p.value for w, p in self._peers.items()} }"
+        )
+
+    def _handle(self, src: int, until_version: int | None) -> None:
+        if src not in self._peers:
+            raise ProtocolError(f"PS {self.index}: doorbell from rank {src}, which is not a worker")
+        if self._peers[src] is _Peer.DEAD:
+            logger.warning("PS %d: ignoring a doorbell from dead worker %d", self.index, src)
+            return
+        try:
+            self._reap(src)
+            header, ints, floats = recv_message(src, self.rt.ps_group)
+        except RuntimeError as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            self._mark_dead(src, exc)
+            return
+        if self._peers[src] is _Peer.SILENT:
+            logger.info("PS %d: worker %d is back", self.index, src)
+            self._silent_since.pop(src, None)
+        if self._peers[src] is _Peer.BYE and header.seq == 0:
+            logger.info("PS %d: worker %d is back with a new client", self.index, src)
+            self._next_seq[src] = 0
+        self._peers[src] = _Peer.ACTIVE
+        if header.seq != self._next_seq[src]:
+            raise ProtocolError(f"PS {self.index}: worker {src} sent seq {header.seq}, expected {self._next_seq[src]}")
+        self._next_seq[src] += 1
+        if header.schema != self.schema:
+            raise ProtocolError(
+                f"PS {self.index}: worker {src} has a different parameter layout (schema {header.schema:#x} vs "
+                f"{self.schema:#x}): dense_numel and embedding specs must match on every rank"
+            )
+        if header.kind is Kind.PULL:
+            self._on_pull(src, header, ints)
+        elif header.kind is Kind.PUSH:
+            self._on_push(src, header, ints, floats, until_version)
+        elif header.kind is Kind.PUT:
+            self._on_put(header, ints, floats)
+        elif header.kind is Kind.BYE:
+            self._peers[src] = _Peer.BYE
+            self._deferred = [p for p in self._deferred if p.src != src]
+        else:
+            raise ProtocolError(f"PS {self.index}: worker {src} sent a {header.kind.name}, which only servers send")
+
+    def _rows_of(self, ints: Tensor) -> tuple[Tensor, ...]:
+        blocks = unpack_ints(ints, len(self.specs)) if self.specs else []
+        out = []
+        for spec, ids in zip(self.specs, blocks):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= spec.num_rows
+                                or bool(((ids % self.num_servers) != self.index).any())):
+                raise ProtocolError(f"PS {self.index}: ids for table {spec.name!r} outside this shard")
+            out.append(local_index(ids, self.num_servers))
+        return tuple(out)
+
+    def _on_pull(self, src: int, header: Header, ints: Tensor) -> None:
+        pull = _PendingPull(src=src, seq=header.seq, min_version=header.min_version,
+                            want_dense=bool(header.flags & FLAG_DENSE), rows=self._rows_of(ints))
+        if self._finished or pull.min_version <= self.version:
+            self._reply(pull)
+        else:
+            self._deferred.append(pull)
+
+    def _on_push(self, src: int, header: Header, ints: Tensor, floats: Tensor, until_version: int | None) -> None:
+        if self._finished:
+            self._drained += 1
+            return
+        self._pushes[src] += 1
+        rows = self._rows_of(ints)
+        dense, grads = unpack_floats(floats, self._buffer.dense_numel, [r.numel() for r in rows],
+                                     [s.dim for s in self.specs])
+        if header.num_samples < 1:
+            raise ProtocolError(f"PS {self.index}: worker {src} pushed a gradient of {header.num_samples} samples")
+        try:
+            verdict = self.control.admit(header.version)
+        except ValueError as exc:  # a token newer than this shard (client bug, restored older state): count it, go on
+            logger.error("PS %d: rejected a push from worker %d: %s", self.index, src, exc)
+            return
+        if not verdict.counted:
+            logger.debug("PS %d: dropped a gradient of staleness %d from worker %d", self.index, verdict.tau, src)
+            return
+        self._buffer.add(verdict.weight, header.num_samples, dense,
+                         {s.name: r for s, r in zip(self.specs, rows)}, {s.name: g for s, g in zip(self.specs, grads)})
+        if verdict.ready:
+            self._apply()
+            self._finish_if_done(until_version)
+            self._answer_deferred()
+
+    def _on_put(self, header: Header, ints: Tensor, floats: Tensor) -> None:
+        rows = self._rows_of(ints)
+        dense_n = self._buffer.dense_numel if header.flags & FLAG_DENSE else 0
+        dense, values = unpack_floats(floats, dense_n, [r.numel() for r in rows], [s.dim for s in self.specs])
+        if dense_n:
+            with torch.no_grad():
+                self._dense.copy_(dense)
+        for spec, r, v in zip(self.specs, rows, values):
+            if r.numel():
+                self._tables[spec.name].put(r, v)
+
+    def _apply(self) -> None:
+        batch = self._buffer.mean()
+        self._buffer.clear()
+        if self._dense_opt is not None:
+            self._dense.grad = batch.dense
+            self._dense_opt.step()
+            self._dense.grad = None
+        for name, table in self._tables.items():
+            table.step(batch.ids[name], batch.rows[name])
+        version = self.control.commit()
+        self.rt.store.set(version_key(self.rt.rank), str(version))  # for monitors and the auto-mode switcher
+
+    def _finish_if_done(self, until_version: int | None) -> None:
+        if until_version is not None and self.version >= until_version and not self._finished:
+            self._finished = True
+            logger.info("PS %d reached version %d: answering with final parameters, draining pushes",
+                        self.index, self.version)
+
+    def _answer_deferred(self) -> None:
+        ready, waiting = [], []
+        for p in self._deferred:
+            (ready if self._finished or p.min_version <= self.version else waiting).append(p)
+        self._deferred = waiting
+        for pull in ready:
+            self._reply(pull)
+
+    def _reply(self, pull: _PendingPull, extra_flags: int = 0) -> None:
+        if self._peers.get(pull.src) is _Peer.DEAD:
+            return
+        blocks = [self._tables[s.name].weight[r] for s, r in zip(self.specs, pull.rows)]
+        # pack_floats concatenates into a new tensor: later updates cannot touch data still being sent
+        floats = pack_floats(self._dense.detach() if pull.want_dense else None, blocks)
+        flags = (FLAG_FINISHED if self._finished else 0) | extra_flags
+        header = Header(kind=Kind.REPLY, seq=pull.seq, src=self.rt.rank, schema=self.schema, version=self.version,
+                        flags=flags, n_floats=floats.numel())
+        try:
+            self._outgoing[pull.src].append(send_message(header, None, floats, pull.src, self.rt.ps_group))
+            self.rt.ring(pull.src)
+        except RuntimeError as exc:
+            self._mark_dead(pull.src, exc)
+
+    def _reap(self, src: int) -> None:
+        # the worker sent a new request, so it has received every earlier reply: these waits return at once
+        for out in self._outgoing[src]:
+            out.wait()
+        self._outgoing[src] = []
+
+    def _flush_outgoing(self) -> None:
+        for w, outs in self._outgoing.items():
+            if self._peers[w] is _Peer.BYE:
+                try:
+                    for out in outs:
+                        out.wait()
+                except RuntimeError as exc:
+                    logger.warning("PS %d: last reply to worker %d failed: %s", self.index, w, exc)
+            self._outgoing[w] = []
+
+    def _mark_dead(self, worker: int, exc: BaseException) -> None:
+        logger.warning("PS %d: worker %d is gone (%s); continuing with the others at version %d",
+                       self.index, worker, str(exc).splitlines()[0][:200], self.version)
+        self._peers[worker] = _Peer.DEAD
+        self._outgoing[worker] = []
+        self._deferred = [p for p in self._deferred if p.src != worker]
+
+    def _check_liveness(self, live: Liveness) -> None:
+        for w in live.poll():
+            if self._peers[w] is _Peer.ACTIVE:
+                logger.warning("PS %d: worker %d missed heartbeats for %.1fs; presumed lost", self.index, w,
+                               live.lease_s)
+                self._peers[w] = _Peer.SILENT  # its deferred pulls stay: it may come back for them
+                self._silent_since[w] = time.monotonic()
+
+    def _check_stall(self) -> None:
+        # every live worker waits for a newer version, so no push can come: tell them instead of hanging
+        active = {w for w, p in self._peers.items() if p is _Peer.ACTIVE}
+        waiting = {p.src for p in self._deferred}
+        now = time.monotonic()
+        # a worker silent for less than timeout_s may only be slow and could still push: not a stall yet
+        maybe_back = any(self._peers[w] is _Peer.SILENT and now - t < self.rt.timeout_s
+                         for w, t in self._silent_since.items())
+        if self._deferred and not self._finished and active and active <= waiting and not maybe_back:
+            self._stalls += 1
+            logger.error("PS %d: workers %s all wait for a version > %d with %d of M=%d gradients buffered",
+                         self.index, sorted(active), self.version, self.control.pending, self.control.m)
+            stalled, self._deferred = self._deferred, []
+            for pull in stalled:
+                self._reply(pull, extra_flags=FLAG_STALLED)
