@@ -1,0 +1,263 @@
+"""Sparse optimizers applied in place to the touched rows of an embedding buffer.
+
+The packed lookup's backward hands each optimizer a :class:`RowUpdate`: the
+unique rows touched by the batch and their summed gradient. Only those rows
+and their optimizer state are read and written; untouched rows never change
+(state of rows absent from a batch does not decay: "lazy" state).
+
+Definitions (``g`` is a row's gradient summed over the batch, ``D`` the table's
+embedding dim, ``t`` the optimizer step, 1-based):
+
+* ``sgd``: ``w -= lr * g``. Same as ``torch.optim.SGD`` on a sparse gradient.
+* ``rowwise_adagrad``: FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (no weight decay):
+  one state scalar per row, ``momentum1 += sum(g**2) / D`` (the mean of the
+  squared gradient over the row), then ``w -= lr * g / (sqrt(momentum1) + eps)``.
+* ``adam``: lazy Adam, FBGEMM's ``ADAM`` formula without weight decay:
+  ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g**2`` for touched rows only,
+  ``w -= lr * (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + eps)``. ``t`` is the
+  global step (the number of optimizer steps the table has taken, touched or
+  not), as in FBGEMM and ``torch.optim.SparseAdam``, not a per-row count. Note
+  SparseAdam puts ``eps`` after folding the bias correction into the step size,
+  so it differs from this formula by ``eps * sqrt(1 - b2**t)``.
+
+Example::
+
+    >>> import torch
+    >>> from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
+    >>> opt = create_optimizer("rowwise_adagrad", {"lr": 0.1})
+    >>> w = torch.zeros(4, 2); state = opt.init_state(4, 2, num_logical_rows=4)
+    >>> opt.update(w, state, RowUpdate.simple(torch.tensor([1]), torch.ones(1, 2), step=1))
+    >>> w[1].tolist()  # -0.1 * 1 / (sqrt(1) + 1e-8)
+    [-0.10000000149011612, -0.10000000149011612]
+"""
+
+from __future__ import annotations
+
+import difflib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Mapping, Optional, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "RowUpdate",
+    "SparseOptimizer",
+    "SparseSGD",
+    "RowWiseAdagrad",
+    "LazyAdam",
+    "OPTIMIZERS",
+    "create_optimizer",
+    "resolve_hyperparams",
+]
+
+StateKind = Literal["row", "element"]
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """One step's gradient for one weight buffer, on its unique touched rows.
+
+    A buffer row ("storage row") is either a whole table row or, when tables of
+    different dims share a buffer, one of ``D / width`` consecutive slices of a
+    table row. Row-wise state lives per table row ("logical row").
+
+    Attributes:
+        rows: ``[U]`` unique storage rows, ascending.
+        grad: ``[U, width]`` their summed gradient.
+        logical_rows: ``[UL]`` unique logical rows (state index of row-wise optimizers).
+        segment: ``[U]`` position in ``logical_rows`` of each storage row, or
+            ``None`` when storage rows are logical rows.
+        row_dim: the full embedding dim of each storage row's table, ``[U]`` or one number.
+        step: the optimizer step (1-based) of each storage row's table, ``[U]`` or one number.
+    """
+
+    rows: Tensor
+    grad: Tensor
+    logical_rows: Tensor
+    segment: Optional[Tensor]
+    row_dim: Union[Tensor, int]
+    step: Union[Tensor, int]
+
+    @classmethod
+    def simple(cls, rows: Tensor, grad: Tensor, step: int) -> "RowUpdate":
+        """Update for a buffer whose storage rows are table rows of dim ``grad.shape[1]``.
+
+        Example::
+
+            >>> RowUpdate.simple(torch.tensor([0, 3]), torch.ones(2, 8), step=1).row_dim
+            8
+        """
+        return cls(rows=rows, grad=grad, logical_rows=rows, segment=None, row_dim=grad.shape[1], step=step)
+
+
+class SparseOptimizer(ABC):
+    """An optimizer that updates only the rows in a :class:`RowUpdate`, in place.
+
+    Subclasses declare ``name``, ``defaults`` (every hyperparameter with its
+    default) and ``state_kinds`` (``"row"``: one fp32 scalar per logical row;
+    ``"element"``: fp32 ``[storage rows, width]`` like the weight).
+
+    Attributes:
+        hyperparams: resolved hyperparameters; ``lr`` may be changed between steps.
+    """
+
+    name: ClassVar[str]
+    defaults: ClassVar[Mapping[str, float]]
+    state_kinds: ClassVar[Mapping[str, StateKind]]
+    uses_step: ClassVar[bool] = False
+
+    def __init__(self, **hyperparams: float) -> None:
+        self.hyperparams: dict[str, float] = dict(resolve_hyperparams(self.name, hyperparams))
+
+    @property
+    def lr(self) -> float:
+        """The learning rate; the training loop may set it between steps (schedules)."""
+        return self.hyperparams["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if not value >= 0.0:
+            raise ValueError(f"learning rate must be >= 0, got {value}")
+        self.hyperparams["lr"] = float(value)
+
+    def init_state(
+        self,
+        num_storage_rows: int,
+        width: int,
+        *,
+        num_logical_rows: int,
+        device: Optional[torch.device] = None,
+    ) -> dict[str, Tensor]:
+        """Zero-initialised state tensors, fp32, keyed by state name.
+
+        Example::
+
+            >>> {k: tuple(v.shape) for k, v in LazyAdam().init_state(10, 4, num_logical_rows=10).items()}
+            {'momentum1': (10, 4), 'momentum2': (10, 4)}
+        """
+        state = {}
+        for key, kind in self.state_kinds.items():
+            shape = (num_logical_rows,) if kind == "row" else (num_storage_rows, width)
+            state[key] = torch.zeros(shape, dtype=torch.float32, device=device)
+        return state
+
+    @abstractmethod
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        """Apply one step to ``weight[upd.rows]`` and the matching state, in place."""
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v:g}" for k, v in self.hyperparams.items())
+        return f"{type(self).__name__}({params})"
+
+
+def _add_rows(weight: Tensor, rows: Tensor, delta: Tensor) -> None:
+    """``weight[rows] += delta`` for unique ``rows`` (index_put_ beats index_add_ with alpha on CPU)."""
+    weight.index_put_((rows,), delta.to(weight.dtype), accumulate=True)
+
+
+class SparseSGD(SparseOptimizer):
+    """Plain SGD on the touched rows: ``w -= lr * g``."""
+
+    name = "sgd"
+    defaults = {"lr": 0.01}
+    state_kinds: ClassVar[Mapping[str, StateKind]] = {}
+
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        _add_rows(weight, upd.rows, upd.grad.float() * -self.lr)
+
+
+class RowWiseAdagrad(SparseOptimizer):
+    """FBGEMM's exact row-wise Adagrad: one accumulator per row, the mean squared gradient."""
+
+    name = "rowwise_adagrad"
+    defaults = {"lr": 0.01, "eps": 1e-8}
+    state_kinds: ClassVar[Mapping[str, StateKind]] = {"momentum1": "row"}
+
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        grad = upd.grad.float()
+        mean_sq = grad.square().sum(1) / upd.row_dim
+        if upd.segment is not None:  # slices of one table row add up to that row's mean
+            mean_sq = torch.zeros(upd.logical_rows.numel(), device=grad.device).index_add_(0, upd.segment, mean_sq)
+        acc = state["momentum1"]
+        new_acc = acc.index_select(0, upd.logical_rows) + mean_sq
+        acc.index_copy_(0, upd.logical_rows, new_acc)
+        multiplier = new_acc.sqrt_().add_(self.hyperparams["eps"]).reciprocal_().mul_(-self.lr)
+        if upd.segment is not None:
+            multiplier = multiplier.index_select(0, upd.segment)
+        _add_rows(weight, upd.rows, grad * multiplier.unsqueeze(1))
+
+
+class LazyAdam(SparseOptimizer):
+    """Adam whose moments are read and written for touched rows only; global-step bias correction."""
+
+    name = "adam"
+    defaults = {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    state_kinds: ClassVar[Mapping[str, StateKind]] = {"momentum1": "element", "momentum2": "element"}
+    uses_step = True
+
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        beta1, beta2, eps = self.hyperparams["beta1"], self.hyperparams["beta2"], self.hyperparams["eps"]
+        grad = upd.grad.float()
+        m1 = state["momentum1"].index_select(0, upd.rows).mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        m2 = state["momentum2"].index_select(0, upd.rows).mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        state["momentum1"].index_copy_(0, upd.rows, m1)
+        state["momentum2"].index_copy_(0, upd.rows, m2)
+        if isinstance(upd.step, Tensor):
+            step = upd.step.to(torch.float64).unsqueeze(1)
+            bc1 = (1.0 - torch.pow(beta1, step)).float()
+            bc2 = (1.0 - torch.pow(beta2, step)).float()
+        else:
+            bc1, bc2 = 1.0 - beta1**upd.step, 1.0 - beta2**upd.step
+        denom = (m2 / bc2).sqrt_().add_(eps)
+        _add_rows(weight, upd.rows, (m1 / bc1).div_(denom).mul_(-self.lr))
+
+
+OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+    cls.name: cls for cls in (SparseSGD, RowWiseAdagrad, LazyAdam)
+}
+
+
+def resolve_hyperparams(optimizer: str, params: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """Check an optimizer's hyperparameters and fill in defaults; sorted ``(key, value)`` pairs.
+
+    Raises ``ValueError`` naming an unknown optimizer or key (with the nearest
+    valid one) and bad values.
+
+    Example::
+
+        >>> resolve_hyperparams("adam", {"lr": 0.01})
+        (('beta1', 0.9), ('beta2', 0.999), ('eps', 1e-08), ('lr', 0.01))
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown sparse optimizer {optimizer!r}{_did_you_mean(optimizer, OPTIMIZERS)}")
+    defaults = OPTIMIZERS[optimizer].defaults
+    resolved = dict(defaults)
+    for key, value in params.items():
+        if key not in defaults:
+            raise ValueError(
+                f"unknown hyperparameter {key!r} for optimizer {optimizer!r}{_did_you_mean(key, defaults)}; "
+                f"valid: {sorted(defaults)}"
+            )
+        value = float(value)
+        if not value >= 0.0 or (key in ("beta1", "beta2") and not value < 1.0):
+            raise ValueError(f"bad value {value} for {optimizer!r} hyperparameter {key!r}")
+        resolved[key] = value
+    return tuple(sorted(resolved.items()))
+
+
+def create_optimizer(optimizer: str, params: Mapping[str, float]) -> SparseOptimizer:
+    """Instantiate a sparse optimizer by name.
+
+    Example::
+
+        >>> create_optimizer("sgd", {"lr": 0.5}).lr
+        0.5
+    """
+    return OPTIMIZERS[optimizer](**dict(resolve_hyperparams(optimizer, params)))
+
+
+def _did_you_mean(word: str, choices: Mapping[str, object]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
