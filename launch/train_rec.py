@@ -192,6 +192,19 @@ def _save(engine, ckpt_dir: Path, progress: Progress, stream) -> str:
     return str(ckpt_dir / tag)
 
 
+def build_model(job: RecJob) -> torch.nn.Module:
+    """The CTR model for this job (plain per-field embeddings without a ``picasso`` block)."""
+    return WideAndDeep(job.model_args)
+
+
+def build_engine(job: RecJob, model: torch.nn.Module):
+    """The training engine: DeepSpeed's, data parallel over all ranks."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
+    return engine
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     wandb_mode = _setup_wandb_env(out)
@@ -200,12 +213,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size or ctx.world_size))
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
-    import deepspeed
     from tqdm import tqdm
 
     job = RecJob(args, rank, world)
-    model = WideAndDeep(job.model_args)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
+    model = build_model(job)
+    engine = build_engine(job, model)
     ckpt_dir = out / "checkpoints"
     progress, data_states = Progress(), None
     if args.resume:
