@@ -26,7 +26,7 @@ $(SYS_STAMP): tests/infra/install_sysdeps.sh | $(STAMP)
 
 sysdeps: $(SYS_STAMP)
 
-DEMO_ARGS ?= --steps 3000 --out runs/demo
+DEMO_ARGS ?= --steps 2500 --vocab 50 --out runs/demo
 
 demo: $(STAMP)
 	bash launch/run_deepspeed.sh ds_configs/demo_cpu.json $(DEMO_ARGS)

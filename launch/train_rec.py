@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,7 +33,9 @@ from dist_env import init_distributed  # noqa: E402
 from picasso_ops.data.batch import CTRBatch  # noqa: E402
 from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRStream  # noqa: E402
 from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
-from picasso_ops.models import WideAndDeep, WideAndDeepArgs  # noqa: E402
+from picasso_ops.distributed import engine_step  # noqa: E402
+from picasso_ops.embedding.sparse_optim import OPTIMIZERS  # noqa: E402
+from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep  # noqa: E402
 from sparse_scale.config import load_config  # noqa: E402
 
 logger = logging.getLogger("train_rec")
@@ -100,7 +103,7 @@ class RecJob:
     def __init__(self, args: argparse.Namespace, rank: int, world_size: int):
         self.args, self.rank, self.world_size = args, rank, world_size
         self.job = load_config(args.config)
-        self.ds = dict(self.job.ds)
+        self.ds = _with_schedule_length(self.job.ds, args.steps)
         self.micro_batch = int(self.ds.get("train_micro_batch_size_per_gpu", 256))
         self.grad_accum = int(self.ds.get("gradient_accumulation_steps", 1))
         self.data_cfg = None
@@ -148,6 +151,14 @@ class RecJob:
                    start_row=start_row, max_bad_fraction=self.args.max_bad_fraction)
 
 
+def _with_schedule_length(ds: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A copy of the DeepSpeed dict whose scheduler ``total_num_steps: "auto"`` is ``--steps``."""
+    params = ds.get("scheduler", {}).get("params", {})
+    if params.get("total_num_steps") != "auto":
+        return dict(ds)
+    return {**ds, "scheduler": {**ds["scheduler"], "params": {**params, "total_num_steps": steps}}}
+
+
 def _global_batch(batch: CTRBatch | None, finite: bool, micro_batch: int) -> int:
     """Samples in this micro-step over all ranks, or 0 when any rank's stream has ended.
 
@@ -192,9 +203,36 @@ def _save(engine, ckpt_dir: Path, progress: Progress, stream) -> str:
     return str(ckpt_dir / tag)
 
 
+def sparse_args(block: Any) -> SparseArgs:
+    """The packed tables' settings from a validated ``picasso`` block.
+
+    Only the hyperparameters the chosen optimizer takes are passed (``eps``
+    means nothing to sgd). Tables are data-parallel unless the block carries
+    ``sharding: "row_wise"``.
+    """
+    opt = block.optimizer
+    params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
+    return SparseArgs(optimizer=opt.type, optimizer_params=params, packing=block.packing,
+                      sharding=getattr(block, "sharding", "data_parallel"))
+
+
 def build_model(job: RecJob) -> torch.nn.Module:
-    """The CTR model for this job (plain per-field embeddings without a ``picasso`` block)."""
-    return WideAndDeep(job.model_args)
+    """The CTR model for this job.
+
+    Without a ``picasso`` block: wide-and-deep over one ``nn.EmbeddingBag`` per
+    field. With it: the same model over packed tables (packing, embedding_dim
+    and the fused sparse optimizer from the block), whose update runs in
+    ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step).
+    """
+    block = job.job.blocks.get("picasso")
+    if block is None:
+        return WideAndDeep(job.model_args)
+    args = dataclasses.replace(job.model_args, embedding_dim=block.embedding_dim)
+    sparse = sparse_args(block)
+    if job.rank == 0:
+        logger.info("picasso model: packing=%s dim=%d sparse optimizer %s %s, %s tables", block.packing,
+                    block.embedding_dim, sparse.optimizer, dict(sparse.optimizer_params), sparse.sharding)
+    return packed_wide_and_deep(args, sparse)
 
 
 def build_engine(job: RecJob, model: torch.nn.Module):
@@ -246,7 +284,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 break
             loss = loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels)
             engine.backward(loss)
-            engine.step()
+            engine_step(engine)  # engine.step() + the packed tables' sparse step at the accumulation boundary
             progress.micro_batches += 1
             step_samples += global_batch
             running += torch.tensor([loss.item(), 1.0])
@@ -335,6 +373,8 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # DeepSpeed's ZeRO still calls the deprecated all_gather_into_tensor; not actionable for users.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     train(parse_args(argv))
 

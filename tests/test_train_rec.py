@@ -41,7 +41,11 @@ def _config(tmp_path, **overrides):
 
 @pytest.mark.slow
 def test_two_ranks_train_eval_and_resume_exactly(tmp_path):
-    cfg = _config(tmp_path)
+    demo = json.loads((ROOT / "ds_configs" / "demo_cpu.json").read_text())
+    # A fixed schedule length: "auto" would follow --steps, which differs between the halves.
+    schedule = {**demo["scheduler"], "params": {**demo["scheduler"]["params"], "total_num_steps": 6,
+                                                 "warmup_num_steps": 2}}
+    cfg = _config(tmp_path, scheduler=schedule)
     straight = run_distributed(_run, 2, args=([*SMALL, "--config", cfg, "--out", str(tmp_path / "a")],),
                                timeout_s=55, init_process_group=False)
     assert straight[0]["steps"] == 6 and straight[0]["samples"] == 6 * 64 * 2
