@@ -15,6 +15,7 @@ $(STAMP): setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,mpi]"
+	$(PY) -m sparse_scale.prebuild
 	touch $@
 
 venv: $(STAMP)

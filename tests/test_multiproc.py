@@ -80,3 +80,15 @@ def test_expected_exit_is_accepted_and_checked():
         run_distributed(_rank1_exits, 2, timeout_s=30, init_process_group=False, expect_exit={1: 5})
     with pytest.raises(DistributedRunError, match="rank 0 was expected to exit with code 3 but returned 0"):
         run_distributed(_rank1_exits, 2, timeout_s=30, init_process_group=False, expect_exit={0: 3, 1: 17})
+
+
+def test_stale_lock_detection(tmp_path):
+    from sparse_scale.prebuild import stale_locks
+
+    (tmp_path / "op_a").mkdir()
+    (tmp_path / "op_b").mkdir()
+    old, fresh = tmp_path / "op_a" / "lock", tmp_path / "op_b" / "lock"
+    old.touch()
+    fresh.touch()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    assert stale_locks(tmp_path) == [old]
