@@ -136,9 +136,6 @@ class MoEArgs:
             raise ValueError(f"z_loss_coef must be a number >= 0, got {self.z_loss_coef!r}")
 
     def _check_unsupported(self) -> None:
-        if self.ep_size != 1:
-            raise ValueError(f"ep_size={self.ep_size}: expert parallelism is not available in this version "
-                             "of moe_proto.MoE yet; use ep_size=1")
         if self.use_tutel:
             raise ValueError("use_tutel=True is not supported: moe_proto already dispatches by index "
                              "(sort + gather); set use_tutel=False")

@@ -6,9 +6,10 @@ experts then compute exactly ``sum(tokens_per_expert)`` rows: empty capacity slo
 cost nothing. Capacity mode and dropless share this layout; they differ only in
 whether the router dropped routes.
 
-The local permutation is kept apart from any exchange between processes: expert
-parallelism later inserts an all-to-all of the buffer (split by ``tokens_per_expert``)
-between :func:`permute` and the experts, and its inverse before :func:`unpermute`.
+The local permutation is kept apart from any exchange between processes: under expert
+parallelism :mod:`moe_proto.parallel` moves the buffer (split by ``tokens_per_expert``) to
+the ranks owning the experts between :func:`permute` and the experts, and back before
+:func:`unpermute`.
 
 Example::
 
@@ -20,6 +21,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -35,11 +37,13 @@ class DispatchPlan:
         token_index: ``[R]`` int64 source token of each buffer row (R = kept routes).
         gate: ``[R]`` fp32 combine weight of each row (differentiable, from the record).
         tokens_per_expert: ``[E]`` int64 rows per expert, in buffer order.
+        capacity: rows per expert of the routing (None when dropless); sizes fixed-split exchanges.
     """
 
     token_index: Tensor
     gate: Tensor
     tokens_per_expert: Tensor
+    capacity: Optional[int] = None
 
 
 def plan_dispatch(record: RoutingRecord) -> DispatchPlan:
@@ -67,6 +71,7 @@ def plan_dispatch(record: RoutingRecord) -> DispatchPlan:
         token_index=tokens[route_of_row],
         gate=record.gate.reshape(-1)[keep][route_of_row],
         tokens_per_expert=counts,
+        capacity=record.capacity,
     )
 
 

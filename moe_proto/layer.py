@@ -5,8 +5,16 @@ Forward runs four explicit stages, each its own method so that expert parallelis
 
 1. :meth:`MoE.route` - fp32 router logits -> :class:`~moe_proto.routing.RoutingRecord`
 2. :meth:`MoE.dispatch` - index plan + gather into an expert-major buffer
-3. :meth:`MoE.compute` - grouped-matmul experts over the filled rows only
+3. :meth:`MoE.compute` - grouped-matmul experts over the filled rows only; with
+   ``ep_size > 1`` the rows go to the experts' owners and back (:mod:`moe_proto.parallel`)
 4. :meth:`MoE.combine` - gate-weighted scatter-add back to the tokens
+
+Expert parallelism uses DeepSpeed's groups: the class derives from
+``deepspeed.moe.layer.MoE`` (without running its constructor) so that
+``deepspeed.initialize`` sees an MoE layer, calls :meth:`MoE.set_deepspeed_parallelism`
+(which creates ``ep_size_{ep_size}`` expert / expert-data-parallel groups) and reduces
+expert gradients over the expert-data-parallel group only. EP rank r holds experts
+``r*E/ep_size .. (r+1)*E/ep_size - 1``.
 
 Example::
 
@@ -26,18 +34,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import dispatch as dispatch_ops
+from . import parallel
 from . import routing
 from .args import MoEArgs
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
 from .routing import RoutingRecord, RoutingStats
 
+try:  # deriving from DeepSpeed's class is how its engine recognises MoE layers (isinstance checks)
+    from deepspeed.moe.layer import MoE as _DeepSpeedMoE
+except ImportError:  # pragma: no cover - DeepSpeed is a dependency; keep the layer usable without it
+    _DeepSpeedMoE = nn.Module
+
 logger = logging.getLogger(__name__)
 
 JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter default
 
 
-class MoE(nn.Module):
+class MoE(_DeepSpeedMoE):
     """Mixture-of-Experts FFN layer with top-k routing, expert prototyping and capacity.
 
     The positional arguments and defaults are those of ``deepspeed.moe.layer.MoE``; the
@@ -49,6 +63,10 @@ class MoE(nn.Module):
     ``forward(hidden_states, used_token=None)`` returns ``(output, l_aux, exp_counts)``
     like DeepSpeed: ``l_aux`` is the unscaled load-balancing loss plus
     ``z_loss_coef * z_loss``, ``exp_counts`` the per-expert routes before drops.
+
+    ``ep_fixed_splits=True`` (capacity mode, ``ep_size > 1``) pads every expert to its
+    capacity in the all-to-all so message sizes are static; the default sends only kept
+    rows after exchanging per-expert counts.
 
     Differences from DeepSpeed, on purpose: eval routing is deterministic (RTS and
     second-expert sampling act in training only), the logits are never modified in
@@ -85,8 +103,9 @@ class MoE(nn.Module):
                  z_loss_coef: float = 0.0,
                  activation: Optional[str] = None,
                  ffn_hidden_size: Optional[int] = None,
-                 deepspeed_compat: bool = False) -> None:
-        super().__init__()
+                 deepspeed_compat: bool = False,
+                 ep_fixed_splits: bool = False) -> None:
+        nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
         self.args = MoEArgs(hidden_size=hidden_size, num_experts=num_experts, ep_size=ep_size, k=k,
                             capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
                             min_capacity=min_capacity, use_residual=use_residual,
@@ -97,6 +116,18 @@ class MoE(nn.Module):
                             activation=activation, ffn_hidden_size=ffn_hidden_size,
                             deepspeed_compat=deepspeed_compat)
         args = self.args
+        if ep_fixed_splits and args.is_dropless:
+            raise ValueError("ep_fixed_splits=True pads every expert to its capacity; dropless routing has no "
+                             "capacity: leave ep_fixed_splits False")
+        # The attributes DeepSpeed's engine and checkpoint code read from an MoE layer.
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = args.num_local_experts
+        self.expert_group_name = args.expert_group_name
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        self.ep_fixed_splits = ep_fixed_splits
+        self.ep_group: Optional[object] = None
+        self.ep_rank = 0
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         if expert is None:
             if ffn_hidden_size is None:
@@ -181,8 +212,69 @@ class MoE(nn.Module):
         return dispatch_ops.permute(x, plan), plan
 
     def compute(self, buffer: Tensor, plan: DispatchPlan) -> Tensor:
-        """Stage 3: every expert over its rows, one grouped matmul per projection."""
-        return self.experts(buffer, plan.tokens_per_expert)
+        """Stage 3: every expert over its rows, one grouped matmul per projection.
+
+        With ``ep_size > 1`` the rows travel to the ranks owning their experts and back.
+        """
+        if self.args.ep_size == 1:
+            return self.experts(buffer, plan.tokens_per_expert)
+        group = self._expert_parallel_group()
+        exchange = parallel.plan_exchange(plan.tokens_per_expert, group, hidden_size=self.args.hidden_size,
+                                          dtype=buffer.dtype, capacity=plan.capacity,
+                                          fixed_splits=self.ep_fixed_splits)
+        local = parallel.dispatch_to_experts(buffer, exchange, group)
+        return parallel.combine_from_experts(self.experts(local, exchange.local_tokens_per_expert), exchange, group)
+
+    @property
+    def expert_range(self) -> Tuple[int, int]:
+        """Global ids ``[first, last)`` of the experts this rank holds."""
+        first = self.ep_rank * self.num_local_experts
+        return first, first + self.num_local_experts
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Create (or reuse) DeepSpeed's ``ep_size_{ep_size}`` groups and join this layer's.
+
+        ``deepspeed.initialize`` calls this on every module that has it; call it yourself
+        only when running without the engine (after ``deepspeed.init_distributed()``).
+
+        Example::
+
+            moe.set_deepspeed_parallelism()
+        """
+        from deepspeed.utils import groups
+
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            logger.info("creating DeepSpeed expert-parallel groups %s", self.expert_group_name)
+            groups._create_expert_and_data_parallel(
+                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.set_expert_parallel_group(groups._get_expert_parallel_group(self.expert_group_name))
+
+    def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
+        # DeepSpeed's name for the same step; kept so code written against its MoE still works.
+        self.set_deepspeed_parallelism(use_data_before_expert_parallel_)
+
+    def set_expert_parallel_group(self, group: Optional[object]) -> None:
+        """Use ``group`` (a torch process group of ``ep_size`` ranks) for the expert exchange.
+
+        Example::
+
+            moe.set_expert_parallel_group(torch.distributed.new_group([0, 1]))
+        """
+        import torch.distributed as dist
+
+        size = dist.get_world_size(group)
+        if size != self.ep_size:
+            raise ValueError(f"expert-parallel group has {size} ranks, the layer was built with "
+                             f"ep_size={self.ep_size}")
+        self.ep_group = group
+        self.ep_rank = dist.get_rank(group)
+
+    def _expert_parallel_group(self) -> object:
+        if self.ep_group is None:
+            raise RuntimeError(f"MoE with ep_size={self.ep_size} has no expert-parallel group: wrap the model with "
+                               "deepspeed.initialize, or call moe.set_deepspeed_parallelism() / "
+                               "moe.set_expert_parallel_group(group) first")
+        return self.ep_group
 
     def combine(self, expert_output: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
         """Stage 4: gate-weighted scatter-add back to ``[num_tokens, hidden]``."""

@@ -1,0 +1,335 @@
+"""Checkpoints that load at any expert-parallel size: parameters and Adam state per global expert.
+
+DeepSpeed's own ``save_checkpoint`` cannot be used for :class:`moe_proto.MoE`: its
+``_save_moe_checkpoint`` (deepspeed/runtime/engine.py, 0.19.8) splits expert parameters
+by the ``deepspeed_moe.experts.deepspeed_experts.<i>`` module names of its own layer and
+fails on stacked expert weights; and its ZeRO optimizer files are flat partitions tied
+to the data-parallel size, so an ep_size change cannot reload them (DeepSpeed #6589).
+
+This module writes its own topology-free checkpoint instead, one directory per tag::
+
+    <save_dir>/<tag>/moe_proto/dense.pt            rank 0: non-expert params + optimizer moments, metadata
+    <save_dir>/<tag>/moe_proto/experts_<a>-<b>.pt  per EP rank (expert-data-parallel rank 0): the
+                                                   rows [a, b) of every stacked expert tensor + moments
+
+Every tensor is the full fp32 value (under ZeRO 1/2 assembled from each rank's flat
+partition through the parameter's ``_hp_mapping`` addresses, like DeepSpeed's
+``safe_get_full_*`` API but reading the optimizer state directly; without ZeRO from
+the optimizer), so loading at another
+``ep_size`` (or ZeRO stage, or world size) just slices the rows of the experts a rank
+holds. Supported optimizers: Adam/AdamW (``exp_avg``, ``exp_avg_sq``, ``step``).
+
+Example::
+
+    save_checkpoint(engine, "ckpt", tag="step100")        # on every rank (collective)
+    # ... later, any ep_size / ZeRO stage 0-2:
+    load_checkpoint(engine, "ckpt", tag="step100")        # on every rank
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .layer import MoE
+
+logger = logging.getLogger(__name__)
+
+OPTIM_KEYS: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+_SUBDIR = "moe_proto"
+_EXPERT_FILE = re.compile(r"experts_(\d+)-(\d+)\.pt$")
+
+
+def expert_params(model: nn.Module) -> Dict[str, MoE]:
+    """Map every stacked expert parameter name (as in ``model.named_parameters()``) to its MoE layer.
+
+    Example::
+
+        expert_params(model)   # {"blocks.0.moe.experts.w1": <MoE>, ...}
+    """
+    owners: Dict[str, MoE] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoE):
+            for name, _ in module.experts.named_parameters():
+                owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
+    return owners
+
+
+def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> None:
+    """Copy an ep_size-independent state (expert stacks over all E experts) into ``model``.
+
+    Expert tensors are sliced to the rows ``model``'s layers hold (their ``expert_range``),
+    everything else is copied as is. Used to start every ep_size from one full init, and by
+    :func:`load_checkpoint`.
+
+    Example::
+
+        torch.manual_seed(0); full = build(ep_size=1)
+        model = build(ep_size=2); model.set_deepspeed_parallelism()...
+        load_full_state_dict(model, full.state_dict())
+    """
+    owners = expert_params(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in full_state:
+                raise KeyError(f"parameter {name} is missing from the full state dict")
+            param.copy_(_local_rows(full_state[name], owners.get(name)))
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
+    """All parameters with expert stacks gathered over each layer's expert-parallel group.
+
+    Collective over the EP groups (every rank must call it). Example::
+
+        state = full_state_dict(engine.module)     # state["moe.experts.w1"].shape[0] == num_experts
+    """
+    owners = expert_params(model)
+    out: Dict[str, Tensor] = {}
+    for name, param in model.named_parameters():
+        layer = owners.get(name)
+        value = param.detach()
+        if layer is not None and layer.ep_size > 1:
+            parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
+            dist.all_gather(parts, value.contiguous(), group=layer.ep_group)
+            value = torch.cat(parts)
+        out[name] = value.clone()
+    return out
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
+    """Write parameters and Adam state, experts split per global expert rows (collective).
+
+    Returns the checkpoint directory. Example::
+
+        path = save_checkpoint(engine, "ckpt", "step3")
+    """
+    path = os.path.join(save_dir, tag, _SUBDIR)
+    model = engine.module
+    owners = expert_params(model)
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dense: Dict[str, Dict[str, Tensor]] = {}
+    experts: Dict[str, Dict[str, Tensor]] = {}
+    writer_ranges: Dict[str, Tuple[int, int]] = {}
+    # Every rank walks the parameters in the same order: the full-state reads are collectives.
+    for name, param in model.named_parameters():
+        entry = _read_param_state(engine, param)
+        layer = owners.get(name)
+        if layer is None:
+            dense[name] = entry
+        else:
+            experts[name] = entry
+            writer_ranges[name] = layer.expert_range
+    if rank == 0:
+        meta = {"step": _optimizer_step(engine), "global_steps": int(getattr(engine, "global_steps", 0)),
+                "global_samples": int(getattr(engine, "global_samples", 0)),
+                "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
+                "experts": {n: {"num_experts": l.num_experts, "ep_size": l.ep_size} for n, l in owners.items()}}
+        torch.save({"params": dense, "meta": meta}, os.path.join(path, "dense.pt"))
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump({k: v for k, v in meta.items() if k != "lr_scheduler"}, f, indent=1)
+    if experts and _is_expert_writer(owners):
+        ranges = set(writer_ranges.values())
+        if len(ranges) != 1:
+            raise ValueError(f"MoE layers of one model hold different expert ranges {sorted(ranges)}: "
+                             "give every layer the same num_experts and ep_size")
+        first, last = ranges.pop()
+        torch.save({"first": first, "last": last, "params": experts},
+                   os.path.join(path, f"experts_{first:06d}-{last:06d}.pt"))
+    dist.barrier()
+    logger.info("saved moe_proto checkpoint to %s", path)
+    return path
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
+    """Load a :func:`save_checkpoint` directory into ``engine`` at any ep_size (collective).
+
+    Sets parameters (model and ZeRO fp32 master copies), Adam moments and step,
+    ``engine.global_steps`` and the LR scheduler. Returns the checkpoint metadata. Example::
+
+        meta = load_checkpoint(engine, "ckpt", "step3")
+    """
+    path = os.path.join(load_dir, tag, _SUBDIR)
+    dense_file = os.path.join(path, "dense.pt")
+    if not os.path.exists(dense_file):
+        raise FileNotFoundError(f"no moe_proto checkpoint at {path} (dense.pt missing)")
+    saved = torch.load(dense_file, map_location="cpu", weights_only=False)
+    meta = saved["meta"]
+    model = engine.module
+    owners = expert_params(model)
+    needed = {name: layer.expert_range for name, layer in owners.items()}
+    expert_entries = _read_expert_rows(path, needed)
+    _materialize_optimizer_state(engine, meta["step"])
+    for name, param in model.named_parameters():
+        if name in owners:
+            saved_layer = meta["experts"].get(name)
+            if saved_layer is None or saved_layer["num_experts"] != owners[name].num_experts:
+                raise ValueError(f"{name}: checkpoint has {saved_layer} experts, the model has "
+                                 f"{owners[name].num_experts}")
+            entry = expert_entries[name]
+        else:
+            if name not in saved["params"]:
+                raise KeyError(f"parameter {name} is missing from the checkpoint at {path}")
+            entry = saved["params"][name]
+        _write_param_state(engine, param, entry)
+    engine.global_steps = meta["global_steps"]
+    engine.global_samples = meta["global_samples"]
+    if meta.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    dist.barrier()
+    logger.info("loaded moe_proto checkpoint %s (saved at ep sizes %s)", path,
+                sorted({v["ep_size"] for v in meta["experts"].values()}))
+    return meta
+
+
+def _local_rows(value: Tensor, layer: Optional[MoE]) -> Tensor:
+    if layer is None:
+        return value
+    if value.shape[0] != layer.num_experts:
+        raise ValueError(f"expert tensor has {value.shape[0]} rows, the layer has {layer.num_experts} experts")
+    first, last = layer.expert_range
+    return value[first:last]
+
+
+def _is_expert_writer(owners: Dict[str, MoE]) -> bool:
+    from deepspeed.utils import groups
+
+    group_name = next(iter(owners.values())).expert_group_name
+    return groups._get_expert_data_parallel_rank(group_name) == 0
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    opt = engine.optimizer
+    return opt.optimizer if _is_zero(engine) else opt
+
+
+def _is_zero(engine: Any) -> bool:
+    return engine.zero_optimization_stage() in (1, 2)
+
+
+def _optimizer_step(engine: Any) -> float:
+    for state in _base_optimizer(engine).state.values():
+        if "step" in state:
+            return float(state["step"])
+    return 0.0
+
+
+def _read_param_state(engine: Any, param: nn.Parameter) -> Dict[str, Tensor]:
+    if engine.zero_optimization_stage() > 2:
+        raise NotImplementedError("moe_proto checkpoints support ZeRO stages 0-2 (MoE is refused under stage 3)")
+    if _is_zero(engine):
+        entry = {"param": _zero_full(engine, param, None)}
+        for key in OPTIM_KEYS:
+            entry[key] = _zero_full(engine, param, key)
+        return entry
+    state = _base_optimizer(engine).state.get(param, {})
+    entry = {"param": param.detach().float().cpu().clone()}
+    for key in OPTIM_KEYS:
+        entry[key] = state[key].detach().cpu().clone() if key in state else torch.zeros_like(entry["param"])
+    return entry
+
+
+def _materialize_optimizer_state(engine: Any, step: float) -> None:
+    """Create Adam state (zeros, the saved step) where the optimizer has none yet, then link ZeRO's views."""
+    base = _base_optimizer(engine)
+    targets: List[Tensor]
+    if _is_zero(engine):
+        targets = list(engine.optimizer.single_partition_of_fp32_groups)
+    else:
+        targets = [p for group in base.param_groups for p in group["params"]]
+    for p in targets:
+        state = base.state[p]
+        for key in OPTIM_KEYS:
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _zero_hp_source(engine: Any, param: nn.Parameter, key: Optional[str]) -> Optional[Tensor]:
+    """This rank's flat fp32 partition (key None) or its Adam state tensor, holding part of ``param``."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+    if key is None:
+        return flat
+    # Read the optimizer state itself: ZeRO's optim_fragment views are linked lazily and can be stale.
+    return engine.optimizer.optimizer.state.get(flat, {}).get(key)
+
+
+def _zero_full(engine: Any, param: nn.Parameter, key: Optional[str]) -> Tensor:
+    """Full fp32 value / Adam state of a ZeRO-1/2 partitioned parameter (all-reduce over its DP group)."""
+    buf = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    source = _zero_hp_source(engine, param, key)
+    if source is not None:
+        lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
+        buf.narrow(0, lp.start, lp.numel).copy_(source.narrow(0, hp.start, hp.numel))
+    dist.all_reduce(buf, group=param._dp_group)
+    return buf.view(param.shape).cpu()
+
+
+def _zero_set(engine: Any, param: nn.Parameter, value: Tensor, key: Optional[str]) -> None:
+    target = _zero_hp_source(engine, param, key)
+    if target is None:
+        return
+    lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
+    with torch.no_grad():
+        target.narrow(0, hp.start, hp.numel).copy_(value.to(target.device).flatten().narrow(0, lp.start, lp.numel))
+
+
+def _write_param_state(engine: Any, param: nn.Parameter, entry: Dict[str, Tensor]) -> None:
+    value = entry["param"].to(param.device)
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} for a parameter of shape "
+                         f"{tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value.to(param.dtype))
+    if _is_zero(engine):
+        _zero_set(engine, param, value.float(), None)
+        for key in OPTIM_KEYS:
+            _zero_set(engine, param, entry[key].float(), key)
+        return
+    state = _base_optimizer(engine).state[param]
+    for key in OPTIM_KEYS:
+        state[key].copy_(entry[key].to(state[key].device))
+
+
+def _read_expert_rows(path: str, needed: Dict[str, Tuple[int, int]]) -> Dict[str, Dict[str, Tensor]]:
+    """Assemble, per expert parameter, rows [first, last) of every tensor from the expert files."""
+    files = list(iter_expert_files(path))
+    out: Dict[str, Dict[str, List[Tensor]]] = {name: {} for name in needed}
+    covered: Dict[str, int] = {name: 0 for name in needed}
+    for first, last, fname in files:
+        if not needed:
+            break
+        wanted = {n: r for n, r in needed.items() if first < r[1] and r[0] < last}
+        if not wanted:
+            continue
+        # mmap: only the rows sliced below are read from disk.
+        blob = torch.load(os.path.join(path, fname), map_location="cpu", mmap=True, weights_only=False)
+        for name, (a, b) in wanted.items():
+            lo, hi = max(a, first), min(b, last)
+            for key, tensor in blob["params"][name].items():
+                out[name].setdefault(key, []).append(tensor[lo - first:hi - first].clone())
+            covered[name] += hi - lo
+    for name, (a, b) in needed.items():
+        if covered[name] != b - a:
+            raise FileNotFoundError(f"{name}: expert rows [{a}, {b}) are not all in the expert files of {path} "
+                                    f"(found {[f for _, _, f in files]})")
+    return {name: {k: torch.cat(v) for k, v in parts.items()} for name, parts in out.items()}
+
+
+def iter_expert_files(path: str) -> Iterator[Tuple[int, int, str]]:
+    """``(first, last, filename)`` of each expert file of a checkpoint directory, in expert order."""
+    for f in sorted(os.listdir(path)):
+        m = _EXPERT_FILE.match(f)
+        if m:
+            yield int(m.group(1)), int(m.group(2)), f

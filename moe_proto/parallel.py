@@ -1,0 +1,293 @@
+"""Expert parallelism: move the expert-major buffer to the ranks that own the experts and back.
+
+With ``ep_size = W`` ranks in an expert-parallel group and E experts, EP rank r owns the
+L = E/W consecutive experts ``r*L .. r*L+L-1``. The local buffer from
+:func:`moe_proto.dispatch.permute` is expert-major over all E experts, so the rows for
+peer w are one contiguous block and a single ``all_to_all_single`` moves them.
+
+Every exchange starts with a fixed-size header all-gather (hidden size, dtype, E, L,
+capacity, split mode) compared across the group: a rank whose shapes disagree makes
+every rank raise :class:`ExpertParallelMismatch` at once, instead of the silent hang of
+an ``all_to_all_single`` with mismatched sizes (DeepSpeed #6809). Then:
+
+* ``variable`` splits (dropless, or capacity mode by default): per-expert row counts are
+  exchanged first (``[E]`` ints), and only kept rows travel.
+* ``fixed`` splits (capacity mode, ``fixed_splits=True``): every expert's rows are padded
+  to the capacity C, so every peer sends exactly ``L*C`` rows and the message sizes are
+  known from C alone; the counts still travel so that padding rows are not computed.
+
+Received rows arrive peer-major; they are reordered to local-expert-major (expert l:
+rows from peer 0, then peer 1, ...) for the grouped matmul, and the inverse on the way
+back. Both all-to-alls are autograd functions whose backward is the reverse all-to-all.
+Waits are bounded by the process group's timeout (``init_process_group(timeout=...)``).
+
+Example::
+
+    plan = plan_exchange(plan.tokens_per_expert, group, hidden_size=d, dtype=x.dtype, capacity=None)
+    local = dispatch_to_experts(buffer, plan, group)          # [sum(plan.local_tokens_per_expert), d]
+    y = experts(local, plan.local_tokens_per_expert)
+    back = combine_from_experts(y, plan, group)               # [buffer rows, d], buffer order
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x4D6F45  # "MoE": tells a stray message of another collective from our header
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+HEADER_FIELDS = ("magic", "hidden_size", "dtype_code", "num_experts", "num_local_experts", "capacity",
+                 "fixed_splits")
+
+
+class ExpertParallelMismatch(RuntimeError):
+    """Ranks of one expert-parallel group disagree on the exchange's shapes (raised on every rank)."""
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Sizes and index maps of one expert-parallel exchange.
+
+    Attributes:
+        send_splits / recv_splits: rows sent to / received from each EP peer (all_to_all_single splits).
+        recv_counts: ``[W, L]`` rows received from peer w for local expert l.
+        local_tokens_per_expert: ``[L]`` rows each local expert computes (``recv_counts.sum(0)``).
+        recv_index: ``[N]`` row of the received tensor for each local-expert-major row.
+        send_index: ``[R]`` row of the padded send tensor for each buffer row (fixed splits), else None.
+        send_rows / recv_rows: total rows of the send / receive tensors (padding included).
+    """
+
+    send_splits: List[int]
+    recv_splits: List[int]
+    recv_counts: Tensor
+    local_tokens_per_expert: Tensor
+    recv_index: Tensor
+    send_index: Optional[Tensor]
+    send_rows: int
+    recv_rows: int
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Small integer naming a floating dtype in the exchange header (0 = other)."""
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def check_group_agreement(group: Optional[dist.ProcessGroup], *, hidden_size: int, dtype: torch.dtype,
+                          num_experts: int, num_local_experts: int, capacity: Optional[int],
+                          fixed_splits: bool) -> None:
+    """All-gather a fixed-size header over ``group``; raise on every rank if any field differs.
+
+    Example::
+
+        check_group_agreement(group, hidden_size=256, dtype=torch.float32, num_experts=16,
+                              num_local_experts=8, capacity=None, fixed_splits=False)
+    """
+    # Capacity only sizes messages under fixed splits; variable splits tolerate per-rank capacities.
+    cap = (capacity if capacity is not None else -1) if fixed_splits else 0
+    header = torch.tensor([_MAGIC, hidden_size, dtype_code(dtype), num_experts, num_local_experts, cap,
+                           int(fixed_splits)], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(gathered, header, group=group)
+    table = torch.stack(gathered)
+    if bool((table == header).all()):
+        return
+    me = dist.get_rank(group)
+    rows = "; ".join(f"ep rank {r}: " + ", ".join(f"{k}={int(v)}" for k, v in zip(HEADER_FIELDS, table[r]))
+                     for r in range(world))
+    differing = [k for i, k in enumerate(HEADER_FIELDS) if not bool((table[:, i] == table[0, i]).all())]
+    hint = ""
+    if "capacity" in differing:
+        hint = (" Capacity depends on the local token count: give every rank the same number of tokens, "
+                "or use variable splits (fixed_splits=False) or dropless routing.")
+    raise ExpertParallelMismatch(f"expert-parallel ranks disagree on {differing} (this is ep rank {me}): {rows}."
+                                 f"{hint}")
+
+
+def plan_exchange(tokens_per_expert: Tensor, group: Optional[dist.ProcessGroup], *, hidden_size: int,
+                  dtype: torch.dtype, capacity: Optional[int] = None, fixed_splits: bool = False) -> ExchangePlan:
+    """Check the group agrees, exchange per-expert counts and build the index maps.
+
+    ``tokens_per_expert`` is the local ``[E]`` row count of the expert-major buffer.
+    ``fixed_splits`` needs ``capacity`` (pad every expert to C rows).
+
+    Example::
+
+        plan = plan_exchange(dispatch_plan.tokens_per_expert, group, hidden_size=256, dtype=torch.float32)
+    """
+    world = dist.get_world_size(group)
+    num_experts = tokens_per_expert.numel()
+    if num_experts % world:
+        raise ValueError(f"{num_experts} experts cannot be split over an expert-parallel group of {world}")
+    if fixed_splits and capacity is None:
+        raise ValueError("fixed_splits=True needs a capacity (capacity mode); dropless uses variable splits")
+    local = num_experts // world
+    check_group_agreement(group, hidden_size=hidden_size, dtype=dtype, num_experts=num_experts,
+                          num_local_experts=local, capacity=capacity, fixed_splits=fixed_splits)
+    send_counts = tokens_per_expert.to(torch.int64).reshape(world, local)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)  # equal splits: L counts per peer
+    if fixed_splits:
+        if int(send_counts.max()) > capacity:
+            raise ValueError(f"an expert holds {int(send_counts.max())} rows, more than capacity {capacity}")
+        rows_per_peer = local * capacity
+        send_splits = [rows_per_peer] * world
+        recv_splits = [rows_per_peer] * world
+        start = torch.arange(num_experts, dtype=torch.int64) * capacity
+        counts = tokens_per_expert.to(torch.int64)
+        send_index = _segment_rows(start, counts)
+        recv_offset = (torch.arange(world * local, dtype=torch.int64) * capacity).view(world, local)
+    else:
+        send_splits = send_counts.sum(dim=1).tolist()
+        recv_splits = recv_counts.sum(dim=1).tolist()
+        send_index = None
+        flat = recv_counts.reshape(-1)
+        recv_offset = (torch.cumsum(flat, 0) - flat).view(world, local)
+    # Local-expert-major: segments ordered (expert l, peer w), i.e. the transposed peer-major table.
+    recv_index = _segment_rows(recv_offset.t().reshape(-1), recv_counts.t().reshape(-1))
+    return ExchangePlan(send_splits=send_splits, recv_splits=recv_splits, recv_counts=recv_counts,
+                        local_tokens_per_expert=recv_counts.sum(dim=0), recv_index=recv_index,
+                        send_index=send_index, send_rows=sum(send_splits), recv_rows=sum(recv_splits))
+
+
+def dispatch_to_experts(buffer: Tensor, plan: ExchangePlan, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Send buffer rows to the experts' owners: ``[R, d]`` -> local-expert-major ``[N, d]``.
+
+    Example::
+
+        local = dispatch_to_experts(buffer, plan, group)
+    """
+    send = buffer
+    if plan.send_index is not None:
+        send = buffer.new_zeros(plan.send_rows, buffer.shape[1]).index_copy(0, plan.send_index.to(buffer.device),
+                                                                             buffer)
+    received = _AllToAll.apply(send.contiguous(), plan.recv_splits, plan.send_splits, group)
+    return received.index_select(0, plan.recv_index.to(buffer.device))
+
+
+def combine_from_experts(expert_output: Tensor, plan: ExchangePlan, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Return expert outputs to the ranks their tokens came from: ``[N, d]`` -> ``[R, d]`` (buffer order).
+
+    Example::
+
+        back = combine_from_experts(y, plan, group)
+    """
+    out = expert_output.new_zeros(plan.recv_rows, expert_output.shape[1]).index_copy(
+        0, plan.recv_index.to(expert_output.device), expert_output)
+    returned = _AllToAll.apply(out, plan.send_splits, plan.recv_splits, group)
+    if plan.send_index is not None:
+        returned = returned.index_select(0, plan.send_index.to(expert_output.device))
+    return returned
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with explicit splits; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],  # type: ignore[override]
+                group: Optional[dist.ProcessGroup]) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = list(out_splits), list(in_splits), group
+        out = x.new_empty(sum(out_splits), x.shape[1])
+        dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                               group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        grad = grad.contiguous()
+        back = grad.new_empty(sum(ctx.in_splits), grad.shape[1])
+        dist.all_to_all_single(back, grad, output_split_sizes=ctx.in_splits, input_split_sizes=ctx.out_splits,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+def _segment_rows(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenate ``arange(starts[i], starts[i] + lengths[i])`` for all i, without a Python loop."""
+    lengths = lengths.to(torch.int64)
+    total = int(lengths.sum())
+    seg_start = torch.repeat_interleave(starts.to(torch.int64), lengths, output_size=total)
+    seg_first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+    return seg_start + torch.arange(total, dtype=torch.int64) - seg_first
+
+
+def global_grad_norm(parameters: Sequence[torch.nn.Parameter], norm_type: float = 2.0) -> Tensor:
+    """L2 norm of all gradients with every expert counted exactly once (DeepSpeed #8475).
+
+    Call after the data-parallel gradient reduction (e.g. after ``engine.backward``
+    without ZeRO): dense gradients are then identical on every rank and are counted
+    locally; expert gradients (``allreduce=False``, ``group_name``) are identical across
+    their expert-data-parallel replicas, so their squares are summed over the expert-
+    parallel group only. Collective over the EP groups.
+
+    Example::
+
+        norm = global_grad_norm(list(model.parameters()))
+    """
+    if float(norm_type) != 2.0:
+        raise ValueError(f"only the L2 norm is supported, got norm_type={norm_type}")
+    dense = torch.zeros((), dtype=torch.float64)
+    experts: dict = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().square().sum().cpu()
+        if getattr(p, "allreduce", True) is False and hasattr(p, "group_name"):
+            experts[p.group_name] = experts.get(p.group_name, torch.zeros((), dtype=torch.float64)) + sq
+        else:
+            dense = dense + sq
+    total = dense
+    if experts:
+        from deepspeed.utils import groups
+
+        for name in sorted(experts):  # same order on every rank: one all-reduce per expert group
+            part = experts[name].clone()
+            dist.all_reduce(part, group=groups._get_expert_parallel_group(name))
+            total = total + part
+    return total.sqrt().float()
+
+
+def clip_grad_norm_(parameters: Sequence[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """Scale gradients in place so that :func:`global_grad_norm` is at most ``max_norm``; return the norm.
+
+    Same clip coefficient as DeepSpeed (``max_norm / (norm + 1e-6)``, capped at 1). Example::
+
+        norm = clip_grad_norm_(list(model.parameters()), 1.0)
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(parameters)
+    coef = min(1.0, float(max_norm) / (float(norm) + 1e-6))
+    if coef < 1.0:
+        for p in parameters:
+            p.grad.detach().mul_(coef)
+    return norm
+
+
+def fix_engine_grad_clipping(engine: object) -> None:
+    """Make a DeepSpeed engine without ZeRO clip by :func:`global_grad_norm` and report that norm.
+
+    DeepSpeed 0.19.8's fp32 path (``engine.clip_fp32_gradients`` ->
+    ``runtime.utils.clip_grad_norm_``) averages each rank's local norm over the
+    data-parallel group, which under expert parallelism neither counts every expert
+    once nor equals the global norm, and it never sets ``get_global_grad_norm()``. This
+    replaces the method on this engine instance only; ZeRO 1/2 compute the norm in their
+    optimizer and need no fix (checked in tests/test_moe_deepspeed.py).
+
+    Example::
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        fix_engine_grad_clipping(engine)
+    """
+    if engine.zero_optimization_stage() != 0:
+        return
+
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = float(clip_grad_norm_(list(engine.module.parameters()),
+                                                         engine.gradient_clipping()))
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
