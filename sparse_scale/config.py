@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_BLOCKS: dict[str, str] = {
     "picasso": "picasso_ops.config:PicassoConfig",
     "moe_proto": "moe_proto.config:MoEProtoConfig",
+    "moe_model": "moe_proto.models.config:MoEModelConfig",
     "gba": "gba_engine.config:GBAConfig",
 }
 
