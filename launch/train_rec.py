@@ -62,8 +62,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
+    p.add_argument("--straggler", action="append", default=[], type=parse_straggler, metavar="RANK:FACTOR[:START-END]",
+                   help="slow RANK by FACTOR (sleeping (FACTOR-1) x its measured compute before backward), "
+                        "optionally only for optimizer steps START <= step < END; repeatable (demos, benchmarks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+    """One ``--straggler RANK:FACTOR[:START-END]`` option."""
+
+    rank: int
+    factor: float
+    start: int = 0
+    end: int | None = None  # exclusive; None: until the end
+
+    def delay_s(self, rank: int, step: int, compute_s: float) -> float:
+        """Seconds to sleep on ``rank`` at optimizer step ``step`` after ``compute_s`` of compute."""
+        if rank != self.rank or step < self.start or (self.end is not None and step >= self.end):
+            return 0.0
+        return (self.factor - 1.0) * compute_s
+
+
+def parse_straggler(text: str) -> Straggler:
+    """``"1:4"`` (rank 1, 4x slower throughout) or ``"1:4:20-60"`` (only for steps 20..59).
+
+    Example::
+
+        parse_straggler("1:4:20-60")      # Straggler(rank=1, factor=4.0, start=20, end=60)
+    """
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError("expected RANK:FACTOR or RANK:FACTOR:START-END")
+        rank, factor = int(parts[0]), float(parts[1])
+        start, end = 0, None
+        if len(parts) == 3:
+            a, _, b = parts[2].partition("-")
+            start, end = int(a), int(b)
+            if end <= start:
+                raise ValueError(f"empty step window {start}-{end}")
+        if rank < 0 or factor < 1.0:
+            raise ValueError("RANK must be >= 0 and FACTOR >= 1")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--straggler {text!r}: {exc}") from None
+    return Straggler(rank, factor, start, end)
 
 
 @dataclasses.dataclass
@@ -81,19 +125,19 @@ def _setup_wandb_env(out: Path) -> str:
     return os.environ.get("WANDB_MODE", "online")
 
 
-def _gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate a 1-D tensor of any length from every rank, in rank order."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gather_cat(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate a 1-D tensor of any length from every rank of ``group`` (default: all), in rank order."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     n = torch.tensor([t.numel()])
     sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
+    dist.all_gather(sizes, n, group=group)
     width = int(max(s.item() for s in sizes))
     padded = torch.zeros(width, dtype=t.dtype)
     padded[: t.numel()] = t
     parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
 
 
@@ -103,6 +147,13 @@ class RecJob:
     def __init__(self, args: argparse.Namespace, rank: int, world_size: int):
         self.args, self.rank, self.world_size = args, rank, world_size
         self.job = load_config(args.config)
+        self.gba = self.job.blocks.get("gba")
+        if self.gba is not None:
+            if "picasso" in self.job.blocks:
+                raise SystemExit(f"{args.config}: the gba and picasso blocks cannot be combined yet (the parameter "
+                                 "servers hold the dense parameters; packed tables update on the workers)")
+            # the last num_servers ranks are parameter servers: data is split over the workers only
+            self.world_size = max(1, world_size - self.gba.num_servers)
         self.ds = _with_schedule_length(self.job.ds, args.steps)
         self.micro_batch = int(self.ds.get("train_micro_batch_size_per_gpu", 256))
         self.grad_accum = int(self.ds.get("gradient_accumulation_steps", 1))
@@ -159,18 +210,18 @@ def _with_schedule_length(ds: dict[str, Any], steps: int) -> dict[str, Any]:
     return {**ds, "scheduler": {**ds["scheduler"], "params": {**params, "total_num_steps": steps}}}
 
 
-def _global_batch(batch: CTRBatch | None, finite: bool, micro_batch: int) -> int:
+def _global_batch(batch: CTRBatch | None, finite: bool, micro_batch: int, group: Any = None) -> int:
     """Samples in this micro-step over all ranks, or 0 when any rank's stream has ended.
 
     File streams can end at different rows on different ranks (and the last batch may be
     short), so they pay one tiny all-reduce per micro-step; the synthetic stream never ends.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if not finite:
         return micro_batch * world
     have_and_size = torch.tensor([0, 0] if batch is None else [1, batch.batch_size])
     if world > 1:
-        dist.all_reduce(have_and_size)
+        dist.all_reduce(have_and_size, group=group)
     return int(have_and_size[1]) if int(have_and_size[0]) == world else 0
 
 
@@ -185,10 +236,11 @@ def evaluate(engine, job: RecJob) -> dict[str, float]:
             if batch.teacher_prob is not None:
                 teacher.append(batch.teacher_prob)
     engine.train()
-    s, y = _gather_cat(torch.cat(scores)), _gather_cat(torch.cat(labels))
+    group = getattr(engine, "worker_group", None)  # gba: the parameter servers take no part
+    s, y = _gather_cat(torch.cat(scores), group), _gather_cat(torch.cat(labels), group)
     out = {"auc": auc(s, y), "log_loss": log_loss(s, y), "eval_samples": float(s.numel())}
     if teacher:
-        t = _gather_cat(torch.cat(teacher))
+        t = _gather_cat(torch.cat(teacher), group)
         out["bayes_auc"] = auc(t, y)
         out["bayes_log_loss"] = log_loss(t, y)
     return out
@@ -196,8 +248,9 @@ def evaluate(engine, job: RecJob) -> dict[str, float]:
 
 def _save(engine, ckpt_dir: Path, progress: Progress, stream) -> str:
     tag = f"step{progress.step}"
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, stream.state())  # DeepSpeed writes client_state from rank 0 only
+    group = getattr(engine, "worker_group", None)  # gba: the parameter servers take no part
+    states = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, stream.state(), group=group)  # DeepSpeed writes client_state from rank 0 only
     engine.save_checkpoint(str(ckpt_dir), tag=tag,
                            client_state={"progress": dataclasses.asdict(progress), "data_states": states})
     return str(ckpt_dir / tag)
@@ -236,7 +289,15 @@ def build_model(job: RecJob) -> torch.nn.Module:
 
 
 def build_engine(job: RecJob, model: torch.nn.Module):
-    """The training engine: DeepSpeed's, data parallel over all ranks."""
+    """The training engine: DeepSpeed's, data parallel over all ranks; with a ``gba`` block a GBAEngine.
+
+    A GBAEngine trains on the workers only; on parameter-server ranks ``initialize`` serves
+    the whole job and returns an engine with ``is_server=True`` (the caller stops there).
+    """
+    if job.gba is not None:
+        import gba_engine
+
+        return gba_engine.initialize(model=model, config={**job.ds, "gba": job.gba.model_dump()})
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
@@ -256,6 +317,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     job = RecJob(args, rank, world)
     model = build_model(job)
     engine = build_engine(job, model)
+    if getattr(engine, "is_server", False):
+        return {"server": True, "gba_server": engine.server_stats}  # served the whole job inside build_engine
+    group = getattr(engine, "worker_group", None)
+    stragglers = [s for s in args.straggler if s.rank == rank]
     ckpt_dir = out / "checkpoints"
     progress, data_states = Progress(), None
     if args.resume:
@@ -274,17 +339,28 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
     running = torch.zeros(2)
     exhausted = False
+    compute_s = 0.0  # forward + backward of the last micro-step: the base a --straggler factor multiplies
     while progress.step < args.steps and not exhausted:
         t0, step_samples = time.perf_counter(), 0
         for _ in range(job.grad_accum):
             batch = next(batches, None)
-            global_batch = _global_batch(batch, finite, job.micro_batch)
+            global_batch = _global_batch(batch, finite, job.micro_batch, group)
             if global_batch == 0:
                 exhausted = True  # a partial accumulation window is dropped, like drop_last
                 break
+            tc = time.perf_counter()
             loss = loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels)
+            fwd_s = time.perf_counter() - tc
+            delay = sum(s.delay_s(rank, progress.step, compute_s or 3 * fwd_s) for s in stragglers)
+            if delay:
+                time.sleep(delay)  # before backward: the engine counts it as this worker's own compute
+            tb = time.perf_counter()
             engine.backward(loss)
-            engine_step(engine)  # engine.step() + the packed tables' sparse step at the accumulation boundary
+            compute_s = fwd_s + time.perf_counter() - tb
+            if job.gba is not None:
+                engine.step()  # no packed tables with gba (RecJob rejects the picasso block)
+            else:
+                engine_step(engine)  # engine.step() + the packed tables' sparse step at the accumulation boundary
             progress.micro_batches += 1
             step_samples += global_batch
             running += torch.tensor([loss.item(), 1.0])
@@ -329,6 +405,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "wandb_dir": _wandb_dir(rank),
         "eval_history": history,
     }
+    if job.gba is not None:
+        summary["gba"] = engine.summary()  # mode, switches and their cost, staleness, per-worker samples/s
+        engine.close()  # the parameter servers stop once every worker closed
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

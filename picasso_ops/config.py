@@ -42,6 +42,7 @@ class PicassoConfig(_Block):
     """Validated ``"picasso"`` block; absent block = plain per-field embeddings."""
 
     packing: bool = True
+    sharding: Literal["data_parallel", "row_wise"] = "data_parallel"  # how tables span ranks
     embedding_dim: PositiveInt = 16
     optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
     cache: CacheConfig | None = None

@@ -427,23 +427,23 @@ class _PackKernel(nn.Module):
             self.weight.grad = None
             if grad.is_sparse:
                 grad = grad.coalesce()
-                self._apply(grad.indices()[0], grad.values())
+                self.apply_rows(grad.indices()[0], grad.values())
             else:  # someone densified it: still update touched rows only
                 rows = grad.abs().sum(1).nonzero().squeeze(1)
-                self._apply(rows, grad.index_select(0, rows))
+                self.apply_rows(rows, grad.index_select(0, rows))
             return
         if not self._pending:
             return
         rows = torch.cat([r.long() for r, _ in self._pending])
         grads = torch.cat([g for _, g in self._pending])
         self._pending.clear()
-        self._apply(*_sum_by_row(rows, None, None, grads))
+        self.apply_rows(*_sum_by_row(rows, None, None, grads))
 
     def discard_pending(self) -> None:
         """Drop deferred gradients without applying them."""
         self._pending.clear()
 
-    def _apply(self, rows: Tensor, grad_rows: Tensor) -> None:
+    def apply_rows(self, rows: Tensor, grad_rows: Tensor) -> None:
         """One optimizer step with these unique rows' gradients."""
         self._count_step()
         self._update(rows, grad_rows)

@@ -4,14 +4,34 @@
     >>> logits = model(batch.dense, batch.values, batch.lengths)   # [B]
 
 The per-field embeddings are the plain baseline (what torchrec's unsharded
-EmbeddingBagCollection does); picasso_ops' packed collection replaces them.
+EmbeddingBagCollection does); picasso_ops' packed collection replaces them:
+
+    >>> model = packed_wide_and_deep(WideAndDeepArgs(vocab_sizes=[1000] * 26, num_dense=13),
+    ...                              SparseArgs(optimizer="rowwise_adagrad", sharding="data_parallel"))
+    >>> loss_fn(model(batch.dense, batch.values, batch.lengths), batch.labels).backward()
+    >>> sparse_step(model)   # picasso_ops.distributed: the tables' one optimizer step (every rank)
+
+The packed variant's tables take their step in ``sparse_step`` (see
+``picasso_ops.distributed.step`` for the contract with DeepSpeed's engine);
+the dense layers are ordinary parameters for DeepSpeed's optimizer.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 from torch import nn
+
+from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
+from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection
+from picasso_ops.embedding.spec import TableSpec
+from picasso_ops.jagged import JaggedBatch
+
+logger = logging.getLogger(__name__)
+
+Sharding = Literal["data_parallel", "row_wise"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +93,117 @@ class WideAndDeep(nn.Module):
             logit = logit + 0.5 * (emb.sum(1).pow(2) - emb.pow(2).sum(1)).sum(-1)
         deep_in = torch.cat([emb.flatten(1), dense], dim=1)
         return logit + self.mlp(deep_in).squeeze(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseArgs:
+    """How a packed model's tables are stored, updated and spread over ranks.
+
+    Attributes:
+        optimizer: the sparse optimizer fused into the tables' update (``sgd``,
+            ``rowwise_adagrad``, ``adam``).
+        optimizer_params: its hyperparameters (``lr``, ``eps``, ``beta1``, ``beta2``).
+        packing: pack compatible tables into one buffer and one lookup.
+        sharding: ``"data_parallel"`` (every rank holds every row; global sparse
+            gradient applied on each) or ``"row_wise"`` (row ``i`` lives on rank
+            ``i % world_size``; lookups are all-to-alls, so every rank must run
+            the same forwards, eval included).
+        process_group: the group tables are replicated or sharded over (default: world).
+
+    Example::
+
+        >>> SparseArgs(optimizer="adam", optimizer_params={"lr": 0.01}).sharding
+        'data_parallel'
+    """
+
+    optimizer: str = "rowwise_adagrad"
+    optimizer_params: Mapping[str, float] = dataclasses.field(default_factory=lambda: {"lr": 0.05})
+    packing: bool = True
+    sharding: Sharding = "data_parallel"
+    process_group: Optional[Any] = None
+
+
+class PackedFieldEmbeddings(nn.Module):
+    """One table per field in a packed (data-parallel or row-sharded) collection; ``forward`` gives ``[B, F, dim]``.
+
+    A drop-in for :class:`FieldEmbeddings` (same ``forward(values, lengths)``
+    on the field-major batch). Field ``f`` is table ``{prefix}{f}``.
+
+    Args:
+        vocab_sizes: rows per field.
+        dim: embedding dim.
+        pooling: ``"sum"`` or ``"mean"``.
+        sparse: storage, optimizer and sharding.
+        init_std: ``None`` keeps the collection's uniform init; ``0.0`` zeros
+            (a wide part); otherwise normal with this std (the plain model's init).
+        prefix: table name prefix (state_dict keys ``{prefix}{f}.weight``).
+
+    Example::
+
+        >>> emb = PackedFieldEmbeddings([10, 20], dim=4, pooling="mean", sparse=SparseArgs())
+        >>> emb(torch.tensor([1, 2, 3]), torch.tensor([[1, 1], [1, 0]])).shape
+        torch.Size([2, 2, 4])
+    """
+
+    def __init__(
+        self,
+        vocab_sizes: list[int],
+        dim: int,
+        pooling: str,
+        sparse: SparseArgs,
+        init_std: Optional[float] = None,
+        prefix: str = "field",
+    ) -> None:
+        super().__init__()
+        self.keys = tuple(f"f{i}" for i in range(len(vocab_sizes)))
+        self.dim = dim
+        specs = [
+            TableSpec(f"{prefix}{i}", int(v), dim, pooling, sparse.optimizer, dict(sparse.optimizer_params),
+                      feature_names=(key,))
+            for i, (v, key) in enumerate(zip(vocab_sizes, self.keys))
+        ]
+        self.collection: nn.Module
+        if sparse.sharding == "data_parallel":
+            self.collection = DataParallelEmbeddingCollection(specs, packing=sparse.packing,
+                                                              process_group=sparse.process_group)
+        elif sparse.sharding == "row_wise":
+            self.collection = RowShardedEmbeddingCollection(specs, packing=sparse.packing,
+                                                            process_group=sparse.process_group)
+        else:
+            raise ValueError(f"sharding must be 'data_parallel' or 'row_wise', got {sparse.sharding!r}")
+        if init_std is not None:
+            self._init(specs, init_std)
+
+    @torch.no_grad()
+    def _init(self, specs: list[TableSpec], std: float) -> None:
+        coll = self.collection
+        for spec in specs:
+            w = coll.table_weight(spec.name)  # row-sharded: this rank's rows only
+            if std == 0.0:
+                w.zero_()
+            else:
+                w.normal_(std=std)
+        if isinstance(coll, DataParallelEmbeddingCollection):
+            coll.broadcast_tables()  # ranks' RNG streams may differ: rank 0's init wins
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        batch = JaggedBatch(self.keys, values, lengths, validate=False)
+        out = self.collection(batch).values  # [B, F * dim], fields in order
+        return out.view(out.shape[0], len(self.keys), self.dim)
+
+
+def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs) -> WideAndDeep:
+    """:class:`WideAndDeep` whose deep and wide embeddings are packed collections.
+
+    Deep tables start like the plain model's (normal, std 0.01) and wide ones at
+    zero; both collections use ``sparse``'s optimizer and sharding.
+
+    Example::
+
+        >>> model = packed_wide_and_deep(WideAndDeepArgs(vocab_sizes=[50] * 4, num_dense=3), SparseArgs())
+        >>> sum(p.numel() for p in model.parameters()) > 0  # only the dense layers are parameters
+        True
+    """
+    embeddings = PackedFieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
+    wide = PackedFieldEmbeddings(args.vocab_sizes, 1, args.pooling, sparse, 0.0, "wide")
+    return WideAndDeep(args, embeddings=embeddings, wide=wide)

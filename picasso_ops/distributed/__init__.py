@@ -1,0 +1,27 @@
+"""Packed embedding tables across ranks: data-parallel replicas and row-wise shards, plus the sparse step contract.
+
+Example::
+
+    >>> from picasso_ops.embedding import TableSpec
+    >>> from picasso_ops.distributed import DataParallelEmbeddingCollection, RowShardedEmbeddingCollection
+    >>> dp = DataParallelEmbeddingCollection([TableSpec("user", 1000, 16)])   # every rank, every row
+    >>> rw = RowShardedEmbeddingCollection([TableSpec("item", 10**7, 16)])     # id % world_size on its owner
+    >>> # loss.backward(); then on every rank, once per optimizer step:
+    >>> dp.sparse_step(); rw.sparse_step()
+"""
+
+from picasso_ops.distributed.comm import world_info
+from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
+from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection, shard_rows
+from picasso_ops.distributed.step import discard_sparse_gradients, engine_step, sparse_modules, sparse_step
+
+__all__ = [
+    "DataParallelEmbeddingCollection",
+    "RowShardedEmbeddingCollection",
+    "shard_rows",
+    "sparse_step",
+    "sparse_modules",
+    "discard_sparse_gradients",
+    "engine_step",
+    "world_info",
+]

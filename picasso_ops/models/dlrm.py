@@ -1,0 +1,98 @@
+"""A DLRM-style CTR model: bottom MLP on dense features, pairwise dot interactions, top MLP.
+
+    >>> model = DLRM(DLRMArgs(vocab_sizes=[1000] * 26, num_dense=13))                # per-field tables
+    >>> model = packed_dlrm(DLRMArgs(vocab_sizes=[1000] * 26, num_dense=13), SparseArgs(sharding="row_wise"))
+    >>> logits = model(batch.dense, batch.values, batch.lengths)                     # [B]
+
+As in facebookresearch/dlrm (``--arch-interaction-op dot``): the bottom MLP
+maps the dense features to one ``D``-vector, which joins the ``F`` pooled
+embeddings; the ``(F + 1) F / 2`` dot products between distinct vectors
+(strict lower triangle of ``T T^T``), concatenated with the bottom output,
+feed the top MLP.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
+
+__all__ = ["DLRMArgs", "DLRM", "packed_dlrm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DLRMArgs:
+    """Shape of a DLRM-style model.
+
+    Example::
+
+        >>> DLRMArgs(vocab_sizes=[10, 20], num_dense=3).top
+        (128, 64)
+    """
+
+    vocab_sizes: list[int]
+    num_dense: int
+    embedding_dim: int = 16
+    bottom: tuple[int, ...] = (64,)  # hidden widths; a last layer to embedding_dim is added
+    top: tuple[int, ...] = (128, 64)  # hidden widths; a last layer to one logit is added
+    pooling: str = "sum"
+
+
+def _mlp(width: int, hidden: tuple[int, ...], out: int, last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, out))
+    if last_relu:
+        layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """logit = top_mlp([bottom(dense), dot interactions of {bottom(dense), e_1 .. e_F}]).
+
+    Args:
+        args: the shape.
+        embeddings: a module mapping ``(values, lengths [F, B])`` to ``[B, F, D]``;
+            default one ``nn.EmbeddingBag`` per field (the plain baseline).
+
+    Example::
+
+        >>> m = DLRM(DLRMArgs(vocab_sizes=[5, 5], num_dense=2, embedding_dim=4))
+        >>> m(torch.zeros(3, 2), torch.tensor([0, 1, 2, 3, 4, 0]), torch.ones(2, 3, dtype=torch.long)).shape
+        torch.Size([3])
+    """
+
+    def __init__(self, args: DLRMArgs, embeddings: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.args = args
+        num_fields = len(args.vocab_sizes)
+        self.embeddings = embeddings or FieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, 0.01)
+        self.bottom = _mlp(args.num_dense, args.bottom, args.embedding_dim, last_relu=True)
+        rows, cols = torch.tril_indices(num_fields + 1, num_fields + 1, offset=-1)
+        self.register_buffer("_pair_rows", rows, persistent=False)
+        self.register_buffer("_pair_cols", cols, persistent=False)
+        self.top = _mlp(args.embedding_dim + rows.numel(), args.top, 1, last_relu=False)
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)  # [B, D]
+        t = torch.cat([x.unsqueeze(1), self.embeddings(values, lengths)], dim=1)  # [B, F + 1, D]
+        z = torch.bmm(t, t.transpose(1, 2))  # [B, F + 1, F + 1]
+        pairs = z[:, self._pair_rows, self._pair_cols]  # distinct pairs only (no self-products)
+        return self.top(torch.cat([x, pairs], dim=1)).squeeze(-1)
+
+
+def packed_dlrm(args: DLRMArgs, sparse: SparseArgs) -> DLRM:
+    """:class:`DLRM` over a packed (data-parallel or row-sharded) collection, one table per field.
+
+    Example::
+
+        >>> packed_dlrm(DLRMArgs(vocab_sizes=[50] * 4, num_dense=3), SparseArgs(packing=False))  # doctest: +ELLIPSIS
+        DLRM(...)
+    """
+    embeddings = PackedFieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
+    return DLRM(args, embeddings=embeddings)
