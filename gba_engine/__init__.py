@@ -15,6 +15,11 @@ from typing import Any
 
 _EXPORTS = {
     "GBAConfig": "config",
+    "GBAEngine": "engine",
+    "initialize": "engine",
+    "Observer": "observe",
+    "StragglerDetector": "straggler",
+    "TrainState": "switch",
     "StalenessDecay": "decay",
     "Admission": "tokens",
     "GlobalBatchBuffer": "tokens",

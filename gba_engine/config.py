@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 
 class _Block(BaseModel):
@@ -46,3 +46,6 @@ class GBAConfig(_Block):
     switch: SwitchConfig = SwitchConfig()
     timeout_s: PositiveFloat = 60.0
     heartbeat_s: PositiveFloat = 2.0
+    # None: fully asynchronous GBA; k: a worker's n-th pull of a phase waits for version >= start + n - k
+    # (bounded staleness, SSP-style); 0 is lockstep, where a gba step equals a sync step exactly.
+    max_lead: NonNegativeInt | None = None

@@ -16,13 +16,13 @@ Example::
 from .client import PSClient, PSStalledError, Pulled, Token
 from .optim import LazyAdagrad, LazyAdam, LazySGD, OptimizerSpec, RowOptimizer
 from .runtime import Layout, Liveness, PSConnectionError, PSRuntime, init_runtime, layout
-from .server import ParameterServer, ServeStats
+from .server import ParameterServer, ServeStats, ShardState
 from .sharding import DenseSharding, EmbeddingSpec, RowRoute
 from .wire import Header, Kind, ProtocolError
 
 __all__ = [
     "DenseSharding", "EmbeddingSpec", "Header", "Kind", "LazyAdagrad", "LazyAdam", "LazySGD", "Layout",
     "Liveness", "OptimizerSpec", "PSClient", "PSConnectionError", "PSRuntime", "PSStalledError",
-    "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "Token",
+    "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ShardState", "Token",
     "init_runtime", "layout",
 ]

@@ -34,7 +34,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -65,6 +65,21 @@ class _PendingPull:
     min_version: int
     want_dense: bool
     rows: tuple[Tensor, ...]  # local row indices per table
+
+
+@dataclasses.dataclass
+class ShardState:
+    """One server's dense shard with its optimizer state: what :meth:`ParameterServer.export_state` returns.
+
+    Example::
+
+        st = ps.export_state()          # ShardState(params=[n], optimizer={'exp_avg': [n], ...}, step=3, version=3)
+    """
+
+    params: Tensor
+    optimizer: dict[str, Tensor]  # per-element optimizer tensors by torch's names (exp_avg, exp_avg_sq, sum, ...)
+    step: int  # the dense optimizer's step count (Adam's bias-correction clock)
+    version: int  # updates applied (the token clock)
 
 
 @dataclasses.dataclass
@@ -108,6 +123,7 @@ class ParameterServer:
         grads_per_update: int | None = None,
         dense_init: Tensor | None = None,
         table_init: Mapping[str, Tensor] | None = None,
+        on_tick: Callable[["ParameterServer"], None] | None = None,
     ) -> None:
         if not runtime.is_server:
             raise ValueError(f"rank {runtime.rank} is a worker; ParameterServer runs on {runtime.layout.servers}")
@@ -118,6 +134,8 @@ class ParameterServer:
         if unknown:
             raise ValueError(f"table_init names {sorted(unknown)} are not among the tables {names}")
         self.rt = runtime
+        self.optimizer_spec = optimizer_spec
+        self._on_tick = on_tick  # called every heartbeat_s of serve(), idle or busy (control-plane work of an owner)
         self.index = runtime.layout.server_index(runtime.rank)
         self.num_servers = runtime.layout.num_servers
         self.specs = tuple(embedding_specs)
@@ -171,12 +189,61 @@ class ParameterServer:
         """A copy of this server's rows of table ``name`` (local row i is id ``i * S + s``)."""
         return self._tables[name].weight.clone()
 
+    def export_state(self) -> ShardState:
+        """A copy of the dense shard, its per-element optimizer state, the optimizer step and the version.
+
+        Example::
+
+            st = ps.export_state(); st.version, st.optimizer.keys()      # 3, dict_keys(['exp_avg', 'exp_avg_sq'])
+        """
+        dense = self._dense
+        state = self._dense_opt.state.get(dense, {}) if self._dense_opt is not None else {}
+        per_element = {k: v.detach().reshape(-1).clone() for k, v in state.items()
+                       if isinstance(v, Tensor) and v.numel() == dense.numel() and k != "step"}
+        step = state.get("step", 0)
+        return ShardState(dense.detach().clone(), per_element, int(step.item() if isinstance(step, Tensor) else step),
+                          self.version)
+
+    def import_state(self, state: ShardState) -> None:
+        """Install a dense shard with optimizer state and version (before :meth:`serve` or between updates).
+
+        Raises ValueError for a shard of the wrong size and RuntimeError while gradients of
+        an unfinished global batch are buffered (they were computed against the old state).
+
+        Example::
+
+            ps.import_state(ShardState(params, {"exp_avg": m, "exp_avg_sq": v}, step=6, version=6))
+        """
+        dense = self._dense
+        if state.params.numel() != dense.numel():
+            raise ValueError(f"PS {self.index}: shard of {state.params.numel()} elements for a range of {dense.numel()}")
+        bad = {k: v.numel() for k, v in state.optimizer.items() if v.numel() != dense.numel()}
+        if bad:
+            raise ValueError(f"PS {self.index}: optimizer tensors {bad} do not match the range of {dense.numel()}")
+        if self.control.pending:
+            raise RuntimeError(f"PS {self.index}: import_state with {self.control.pending} gradients of an unfinished "
+                               "global batch buffered")
+        with torch.no_grad():
+            dense.copy_(state.params.reshape(-1))
+        if self._dense_opt is not None:
+            if state.optimizer or state.step:
+                opt_state: dict = {k: v.detach().reshape(-1).clone().to(torch.float32) for k, v in state.optimizer.items()}
+                if self.optimizer_spec.type != "sgd":  # torch's SGD keeps no step; Adam/Adagrad a float32 scalar
+                    opt_state["step"] = torch.tensor(float(state.step))
+                self._dense_opt.state[dense] = opt_state
+            else:
+                self._dense_opt.state.pop(dense, None)
+        stats = self.control.stats
+        self.control = TokenControl(self.control.m, self.control.decay, version=state.version)
+        self.control.stats = stats  # the token history of this server survives a restore
+        self.rt.store.set(version_key(self.rt.rank), str(state.version))
+
     # ----------------------------------------------------------------- event loop
     def serve(self, until_version: int | None = None, max_seconds: float | None = None) -> ServeStats:
         """Serve until ``until_version`` updates are applied, then until every live worker said goodbye.
 
-        With ``until_version=None`` it serves until no worker is left (all said goodbye or
-        died). Raises PSConnectionError when no live worker is left before ``until_version``
+        With ``until_version=None`` it serves until no worker is left (all said goodbye, died,
+        or stayed silent for ``timeout_s``). Raises PSConnectionError when no live worker is left before ``until_version``
         (silent ones get ``timeout_s`` to come back), TimeoutError after ``max_seconds``.
         Every wait is bounded by ``heartbeat_s``.
         """
@@ -196,6 +263,8 @@ class ParameterServer:
                 next_check = now + self.rt.heartbeat_s
                 self._check_liveness(live)
                 self._check_stall()
+                if self._on_tick is not None:
+                    self._on_tick(self)
             if any(p is _Peer.ACTIVE for p in self._peers.values()):
                 last_active = now
         self._flush_outgoing()
@@ -216,8 +285,8 @@ class ParameterServer:
             return True  # final parameters are served; silent workers are presumed lost, not waited for
         if _Peer.SILENT in states and idle_s < self.rt.timeout_s:
             return False  # a silent worker may only be slow: give it timeout_s to come back
-        if until_version is None and _Peer.SILENT not in states:
-            return True  # every worker said goodbye (or died): an open-ended serve is over
+        if until_version is None:
+            return True  # every worker said goodbye, died, or stayed silent past timeout_s: an open-ended serve is over
         raise PSConnectionError(
             f"PS {self.index}: no live worker at version {self.version} (until_version={until_version}); "
             f"peers: { {w: p.value for w, p in self._peers.items()} }"

@@ -1,0 +1,108 @@
+"""Observability of a GBA job: mode, switch events and cost, staleness, decayed/dropped gradients, samples/s.
+
+Every worker keeps an :class:`Observer`; the first worker writes the events to DeepSpeed's
+monitor (``engine.monitor.write_events``: wandb, tensorboard, csv as configured) and
+builds the console summary from what the servers and the other workers publish on the
+TCPStore (``gba/stats/<server>``, ``gba/rate/<rank>``).
+
+Example::
+
+    obs = Observer(rank=0, monitor=ds_engine.monitor)
+    obs.on_switch(step=40, src="sync", dst="gba", seconds=0.12, nbytes=1 << 20)
+    obs.summary(server_stats=[...], rates={0: 812.0, 1: 203.5})
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any, Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchEvent:
+    """One mode change and what the hand-over cost."""
+
+    step: int
+    src: str
+    dst: str
+    seconds: float
+    nbytes: int
+    reason: str
+
+
+class Observer:
+    """Collects one worker's view; ``rank == 0`` also writes monitor events."""
+
+    def __init__(self, rank: int, monitor: Any | None, mode: str) -> None:
+        self.rank = rank
+        self.monitor = monitor
+        self.mode = mode
+        self.switches: list[SwitchEvent] = []
+        self.steps = 0
+        self.samples = 0
+        self.seconds = 0.0
+        self.mode_steps: collections.Counter = collections.Counter()
+
+    def _write(self, events: Sequence[tuple[str, float, int]]) -> None:
+        if self.rank == 0 and self.monitor is not None and getattr(self.monitor, "enabled", False):
+            self.monitor.write_events(list(events))
+
+    def on_step(self, samples: int, seconds: float) -> None:
+        """One local optimizer step of ``samples`` samples that took ``seconds``."""
+        self.steps += 1
+        self.samples += samples
+        self.seconds += seconds
+        self.mode_steps[self.mode] += 1
+
+    @property
+    def samples_per_s(self) -> float:
+        """This worker's local throughput so far."""
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def on_switch(self, step: int, src: str, dst: str, seconds: float, nbytes: int, reason: str = "") -> None:
+        """Record (and log on every worker, write on the first) one mode change."""
+        ev = SwitchEvent(step, src, dst, seconds, nbytes, reason)
+        self.switches.append(ev)
+        self.mode = dst
+        if self.rank == 0:
+            logger.warning("gba: switched %s -> %s at step %d in %.3fs moving %.2f MB (%s)", src, dst, step, seconds,
+                           nbytes / 1e6, reason)
+        self._write([("gba/mode_is_gba", 1.0 if dst == "gba" else 0.0, step), ("gba/switch_seconds", seconds, step),
+                     ("gba/switch_mbytes", nbytes / 1e6, step)])
+
+    def summary(self, server_stats: Sequence[Mapping[str, Any]] = (), rates: Mapping[int, float] | None = None,
+                step: int | None = None) -> dict:
+        """The console summary dict (also written to the monitor on the first worker)."""
+        staleness: collections.Counter = collections.Counter()
+        tallies = collections.Counter()
+        lost: set[int] = set()
+        version = 0
+        for st in server_stats:
+            for tau, n in st.get("staleness", {}).items():
+                staleness[int(tau)] += int(n)
+            for k in ("received", "counted", "dropped", "decayed"):
+                tallies[k] += int(st.get(k, 0))
+            lost |= set(st.get("lost_workers", []))
+            version = max(version, int(st.get("version", 0)))
+        out = {
+            "mode": self.mode,
+            "steps": self.steps,
+            "steps_per_mode": dict(self.mode_steps),
+            "switches": [dataclasses.asdict(e) for e in self.switches],
+            "switch_seconds": sum(e.seconds for e in self.switches),
+            "switch_bytes": sum(e.nbytes for e in self.switches),
+            "staleness_histogram": dict(sorted(staleness.items())),
+            "gradients": dict(tallies),
+            "server_version": version,
+            "lost_workers": sorted(lost),
+            "samples_per_s": {int(k): float(v) for k, v in (rates or {self.rank: self.samples_per_s}).items()},
+        }
+        at = self.steps if step is None else step
+        events = [("gba/dropped", float(tallies["dropped"]), at), ("gba/decayed", float(tallies["decayed"]), at)]
+        events += [(f"gba/samples_per_s/worker{r}", v, at) for r, v in out["samples_per_s"].items()]
+        events += [(f"gba/staleness/{tau}", float(n), at) for tau, n in staleness.items()]
+        self._write(events)
+        return out

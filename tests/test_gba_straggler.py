@@ -1,0 +1,99 @@
+"""The straggler detector behind ``mode: auto``: pure unit tests (no processes)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from gba_engine.config import GBAConfig
+from gba_engine.straggler import StragglerDetector
+
+
+def _run(det: StragglerDetector, rows) -> list:
+    return [det.observe(r) for r in rows]
+
+
+def test_flags_a_4x_slow_worker_after_the_window_and_dwell():
+    det = StragglerDetector(num_workers=4, slow_ratio=1.5, recover_ratio=1.2, window=8, min_dwell_steps=10)
+    rng = random.Random(0)
+    rows = [[0.1 * rng.uniform(0.95, 1.05) for _ in range(3)] + [0.4 * rng.uniform(0.95, 1.05)] for _ in range(30)]
+    out = _run(det, rows)
+    first = next(d for d in out if d.switched)
+    assert first.mode == "gba" and first.slow == frozenset({3})
+    assert first.step == 10  # dwell from the start: not before min_dwell_steps
+    assert 3.5 < first.ratios[3] < 4.5 and all(0.9 < r < 1.1 for r in first.ratios[:3])
+    assert sum(d.switched for d in out) == 1  # no flapping
+
+
+def test_two_workers_one_slow_is_found_against_the_lower_median():
+    det = StragglerDetector(num_workers=2, window=4, min_dwell_steps=1)
+    out = _run(det, [[0.1, 0.4]] * 6)
+    assert out[-1].mode == "gba" and out[-1].slow == frozenset({1})
+
+
+def test_ignores_noise_and_single_spikes():
+    det = StragglerDetector(num_workers=4, slow_ratio=1.5, recover_ratio=1.2, window=8, min_dwell_steps=1)
+    rng = random.Random(1)
+    rows = []
+    for step in range(300):
+        row = [0.1 * rng.lognormvariate(0, 0.15) for _ in range(4)]
+        if step % 10 == 3:
+            row[step % 4] *= 6  # an occasional GC pause / page fault: one slow step
+        rows.append(row)
+    out = _run(det, rows)
+    assert all(d.mode == "sync" and not d.slow for d in out)
+
+
+def test_noisy_worker_is_not_flagged_when_its_gap_is_within_its_jitter():
+    det = StragglerDetector(num_workers=2, slow_ratio=1.5, recover_ratio=1.2, window=8, min_dwell_steps=1)
+    # worker 1's median is 1.6x but it jumps between 0.05 and 0.3: the gap is noise, not slowness
+    out = _run(det, [[0.1, t] for t in [0.05, 0.3, 0.05, 0.3, 0.16, 0.3, 0.05, 0.3] * 4])
+    assert not any(d.slow for d in out)
+
+
+def test_hysteresis_keeps_a_worker_slow_between_recover_and_slow_ratio():
+    det = StragglerDetector(num_workers=2, slow_ratio=2.0, recover_ratio=1.2, window=3, min_dwell_steps=1)
+    out = _run(det, [[0.1, 0.4]] * 5)
+    assert out[-1].slow == frozenset({1})
+    out = _run(det, [[0.1, 0.15]] * 6)  # 1.5x: below slow_ratio, above recover_ratio: still slow
+    assert all(d.slow == frozenset({1}) and d.mode == "gba" for d in out)
+    out = _run(det, [[0.1, 0.105]] * 6)  # below recover_ratio: recovered
+    assert out[-1].slow == frozenset() and out[-1].mode == "sync"
+    # and a worker at 1.5x that was never slow is not flagged
+    fresh = StragglerDetector(num_workers=2, slow_ratio=2.0, recover_ratio=1.2, window=3, min_dwell_steps=1)
+    assert not any(d.slow for d in _run(fresh, [[0.1, 0.15]] * 10))
+
+
+def test_minimum_dwell_between_switches_both_ways():
+    det = StragglerDetector(num_workers=2, slow_ratio=1.5, recover_ratio=1.2, window=2, min_dwell_steps=20)
+    rows = [[0.1, 0.4]] * 25 + [[0.1, 0.1]] * 5 + [[0.1, 0.4]] * 30
+    out = _run(det, rows)
+    switches = [d.step for d in out if d.switched]
+    assert switches[0] == 20  # the first switch waits for min_dwell_steps
+    # recovered at ~27 but the dwell holds gba until step 40; by then the worker is slow again: no switch
+    assert switches == [20]
+    assert all(d.mode == "gba" for d in out[20:])
+
+
+def test_switches_back_when_the_straggler_recovers():
+    det = StragglerDetector(num_workers=3, window=4, min_dwell_steps=5)
+    out = _run(det, [[0.1, 0.1, 0.5]] * 10 + [[0.1, 0.1, 0.1]] * 10)
+    switches = [(d.step, d.mode) for d in out if d.switched]
+    assert [m for _, m in switches] == ["gba", "sync"]
+    assert switches[1][0] - switches[0][0] >= 5
+
+
+def test_missing_times_and_config_and_errors():
+    det = StragglerDetector.from_config(GBAConfig(mode="auto").switch, num_workers=2)
+    assert det.window == 8 and det.min_dwell_steps == 20
+    d = det.observe([0.1, math.nan])
+    assert math.isnan(d.ratios[1]) and d.mode == "sync"
+    with pytest.raises(ValueError, match="need 2 step times"):
+        det.observe([0.1])
+    with pytest.raises(ValueError, match="recover_ratio"):
+        StragglerDetector(2, slow_ratio=1.2, recover_ratio=1.5)
+    with pytest.raises(ValueError, match="negative"):
+        det.observe([0.1, -1.0])
+    det.force("gba")
+    assert det.mode == "gba" and det.last_switch_step == det.step
