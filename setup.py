@@ -7,6 +7,7 @@ setup(
     description="DeepSpeed plugin for large-scale MoE and embeddings: GBA, PICASSO, expert prototyping",
     python_requires=">=3.10",
     packages=find_packages(include=["sparse_scale*", "picasso_ops*", "moe_proto*", "gba_engine*"]),
+    package_data={"picasso_ops.ops": ["csrc/*.cpp"]},  # the C++ ops are JIT-built from source on first use
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19.8",
@@ -21,7 +22,8 @@ setup(
         "mpi": ["mpi4py", "mpich"],
         # NVIDIA apex is built from source (see README); PyPI's "apex" is an unrelated package.
         "gpu": ["triton"],
-        "test": ["pytest", "pytest-timeout", "mpi4py", "mpich"],
+        # triton runs the GPU kernels' correctness tests on CPU (TRITON_INTERPRET=1); ninja builds the C++ ops.
+        "test": ["pytest", "pytest-timeout", "mpi4py", "mpich", "triton", "ninja"],
         # torchrec is installed with --no-deps by the Makefile (its pins would pull a CUDA torch).
         "bench": ["fbgemm-gpu-cpu==1.8.0", "tensordict", "torchmetrics", "pyre-extensions"],
     },

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from picasso_ops import ops as custom_ops
 from picasso_ops.embedding.packing import PackGroup, TablePlacement, plan_packing
 from picasso_ops.embedding.sparse_optim import RowUpdate, SparseOptimizer, create_optimizer
 from picasso_ops.embedding.spec import TableSpec
@@ -130,6 +131,7 @@ class _LookupPlan:
     batch_size: int
     seq_rows: tuple[int, ...] = ()  # sequence packs: buffer rows per feature
     seq_ids: tuple[int, ...] = ()  # sequence packs: ids per feature
+    row_offsets: Optional[Tensor] = None  # custom ops: indices are raw ids, buffer row = id + row_offsets[column]
 
 
 # a run copies kernel column blocks [c0, c1) to output columns starting at `start`
@@ -149,10 +151,11 @@ class _PackKernel(nn.Module):
     # in cache; 2**17 measured best at F=200, B=2048 (2**15..2**18 within 5%, one block 25% slower)
     sort_block: int = 1 << 17
 
-    def __init__(self, group: PackGroup, mode: Mode, device: Optional[torch.device]) -> None:
+    def __init__(self, group: PackGroup, mode: Mode, device: Optional[torch.device], custom_ops: bool = False) -> None:
         super().__init__()
         self.group = group
         self.mode = mode
+        self.custom_ops = custom_ops
         self.optimizer: SparseOptimizer = create_optimizer(group.optimizer, dict(group.hyperparams))
         self.width = group.width
         self.uniform = group.sub_rows_uniform
@@ -201,6 +204,7 @@ class _PackKernel(nn.Module):
         self.feature_first_column = first
         self.num_columns = len(owner)
         self.has_mean = any(mean)
+        self._column_starts: dict[tuple[_Run, ...], Tensor] = {}
         self.register_buffer("_c_mult", _long(mult, device), persistent=False)
         self.register_buffer("_c_add", _long(add, device).to(self.index_dtype), persistent=False)
         self.register_buffer("_c_rows", _long(rows, device), persistent=False)
@@ -271,6 +275,12 @@ class _PackKernel(nn.Module):
                 weights = batch.weights.index_select(0, src)
         n = raw.numel()
         self._check_ids(raw, counts)
+        if self.group.pooled and self.uniform and self._op_backend() is not None:
+            # the op adds each column's row offset itself: no shifted copy of the ids
+            return _LookupPlan(
+                indices=raw, offsets=offsets, lengths=lengths, weights=weights, bag_scale=None,
+                batch_size=B, row_offsets=self._c_add,
+            )
         index_dtype = self.index_dtype if n <= _INT32_MAX and B * C < _INT32_MAX else torch.int64
         add = torch.repeat_interleave(self._c_add, counts, output_size=n)
         if self.uniform:  # narrowing first is safe (ids were checked) and halves the bytes moved
@@ -338,8 +348,24 @@ class _PackKernel(nn.Module):
             f"of size {p.spec.num_embeddings} (valid ids are 0..{p.spec.num_embeddings - 1})"
         )
 
+    def _torch_plan(self, plan: _LookupPlan) -> _LookupPlan:
+        """A plan with buffer rows as indices (and mean scales), for the torch path, from a custom-op plan."""
+        if plan.row_offsets is None:
+            return plan
+        counts = plan.offsets[:: max(plan.batch_size, 1)].diff() if plan.batch_size > 0 else plan.offsets[:0]
+        rows = plan.indices + torch.repeat_interleave(plan.row_offsets.long(), counts, output_size=plan.indices.numel())
+        bag_scale = None
+        if self.has_mean:
+            inv = plan.lengths.to(torch.float32).clamp(min=1.0).reciprocal()
+            bag_scale = torch.where(self._c_mean.repeat_interleave(plan.batch_size), inv, torch.ones_like(inv))
+        return _LookupPlan(
+            indices=rows, offsets=plan.offsets, lengths=plan.lengths, weights=plan.weights, bag_scale=bag_scale,
+            batch_size=plan.batch_size,
+        )
+
     def lookup(self, plan: _LookupPlan) -> Tensor:
         """Pooled: ``[C * B, width]`` bags column-major; sequence: ``[buffer rows, width]``."""
+        plan = self._torch_plan(plan)
         sparse = self.mode == "autograd"
         if not self.group.pooled:
             return F.embedding(plan.indices, self.weight, sparse=sparse)
@@ -374,6 +400,74 @@ class _PackKernel(nn.Module):
             blocks[c0:c1].copy_(grad[:, start : start + (c1 - c0) * w].reshape(B, c1 - c0, w).transpose(0, 1))
         return blocks.view(-1, w)
 
+    # ------------------------------------------------------- custom ops
+    def _op_backend(self) -> Optional[str]:
+        """The custom-op backend (C++ on CPU, Triton on CUDA) for this pack, or ``None`` to keep the torch path.
+
+        The ops take fused mode, float32 buffers whose storage rows are table rows (no sub-row packs).
+        """
+        if not self.custom_ops or self.mode != "fused" or not self.uniform or self.weight.dtype != torch.float32:
+            return None
+        backend = custom_ops.select_backend(self.weight.device, self.weight.dtype)
+        return None if backend == "reference" else backend
+
+    def _starts(self, runs: Sequence[_Run]) -> Tensor:
+        """Output column of each kernel column for these runs (cached: runs are fixed per collection)."""
+        key = tuple(runs)
+        starts = self._column_starts.get(key)
+        if starts is None:
+            cols = [0] * self.num_columns
+            for c0, c1, start in runs:
+                for c in range(c0, c1):
+                    cols[c] = start + (c - c0) * self.width
+            starts = self._column_starts[key] = _long(cols, self.weight.device)
+        return starts
+
+    def lookup_into(self, values: Tensor, plan: _LookupPlan, runs: Sequence[_Run]) -> None:
+        """Pooled lookup written into ``values``' columns: one custom op call, else ``lookup`` + ``write_columns``."""
+        backend = self._op_backend() if values.dtype == torch.float32 else None
+        if backend is None:
+            self.write_columns(values, self.lookup(plan), runs)
+            return
+        custom_ops.packed_lookup(
+            self.weight, plan.indices, plan.offsets, self._starts(runs), values,
+            row_offsets=plan.row_offsets, per_sample_weights=plan.weights,
+            mean_columns=self._c_mean if self.has_mean else None, backend=backend,
+        )
+
+    @torch.no_grad()
+    def backward_update_op(self, plan: _LookupPlan, grad: Tensor, runs: Optional[Sequence[_Run]]) -> bool:
+        """``backward_update`` as one custom op call, reading the pooled gradient in place; ``False`` if not applicable.
+
+        ``grad`` is the whole ``[B, sum D]`` output gradient for pooled packs
+        (``runs`` locate the pack's columns) or ``[rows, width]`` for sequences.
+        Not applicable: deferred updates, Adam while tables disagree on the step,
+        or no kernel (then the caller runs the torch path).
+        """
+        backend = self._op_backend()
+        if backend is None or self._defer or grad.dtype != torch.float32:
+            return False
+        if self.optimizer.uses_step and self._uniform_step is None:
+            return False
+        self._count_step()
+        if self.group.pooled:
+            assert runs is not None
+            B = plan.batch_size
+            segments = _long([c * B for c in self._table_first_columns] + [self.num_columns * B], grad.device)
+        else:
+            first = [0] + list(_cumsum(plan.seq_rows))
+            segments = _long([first[c] for c in self._table_first_columns] + [first[-1]], grad.device)
+        custom_ops.packed_backward_update(
+            self.weight, self.state, plan.indices, plan.offsets if self.group.pooled else None,
+            grad if grad.stride(-1) == 1 else grad.contiguous(),
+            self._starts(runs) if runs is not None else None,
+            optimizer=self.optimizer.name, hyperparams=self.optimizer.hyperparams,
+            step=self._uniform_step if self._uniform_step is not None else 1,
+            row_offsets=plan.row_offsets, per_sample_weights=plan.weights, mean_columns=self._c_mean if self.has_mean else None,
+            segments=segments, backend=backend,
+        )
+        return True
+
     # ------------------------------------------------------- backward/update
     @torch.no_grad()
     def backward_update(self, plan: _LookupPlan, grad: Tensor) -> None:
@@ -384,6 +478,7 @@ class _PackKernel(nn.Module):
         each sort and update stays in cache. With ``defer_updates`` the row
         gradients are kept for ``step()`` instead.
         """
+        plan = self._torch_plan(plan)
         if plan.bag_scale is not None:
             grad = grad * plan.bag_scale.to(grad.dtype).unsqueeze(1)
         grad = grad.contiguous()
@@ -482,7 +577,7 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: Tensor, anchor: Tensor, kernel: _PackKernel, plan: _LookupPlan, runs: Sequence[_Run]) -> Tensor:  # type: ignore[override]
-        kernel.write_columns(values, kernel.lookup(plan), runs)
+        kernel.lookup_into(values, plan, runs)
         ctx.mark_dirty(values)
         ctx.kernel, ctx.plan, ctx.runs = kernel, plan, runs
         return values
@@ -491,7 +586,8 @@ class _PooledLookup(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:  # type: ignore[override]
         _check_first_backward(ctx)
-        ctx.kernel.backward_update(ctx.plan, ctx.kernel.read_columns(grad, ctx.runs))
+        if not ctx.kernel.backward_update_op(ctx.plan, grad, ctx.runs):
+            ctx.kernel.backward_update(ctx.plan, ctx.kernel.read_columns(grad, ctx.runs))
         ctx.plan = None  # frees the batch's indices and catches a second backward
         return (grad if ctx.needs_input_grad[0] else None), None, None, None, None
 
@@ -508,7 +604,8 @@ class _SequenceLookup(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
         _check_first_backward(ctx)
-        ctx.kernel.backward_update(ctx.plan, grad)
+        if not ctx.kernel.backward_update_op(ctx.plan, grad, None):
+            ctx.kernel.backward_update(ctx.plan, grad)
         ctx.plan = None
         return None, None, None
 
@@ -532,6 +629,10 @@ class PackedEmbeddingCollection(nn.Module):
             (the reference: parameters with sparse ``.grad``, updated by
             ``step()``; keep them out of the dense optimizer).
         device: where buffers live.
+        custom_ops: in fused mode, run float32 packs whose rows are table rows
+            through ``picasso_ops.ops`` (C++ on CPU, Triton on CUDA; one op
+            call for the lookup and one for backward+update, same results);
+            other packs, and machines without the kernels, keep the torch path.
 
     Tables are initialised uniform in ``±sqrt(1 / num_embeddings)`` (torchrec's
     default), one table after another in spec order, so the initial weights
@@ -554,6 +655,7 @@ class PackedEmbeddingCollection(nn.Module):
         min_width: int = 4,
         mode: Mode = "fused",
         device: Optional[Union[torch.device, str]] = None,
+        custom_ops: bool = False,
     ) -> None:
         super().__init__()
         if mode not in ("fused", "autograd"):
@@ -572,7 +674,7 @@ class PackedEmbeddingCollection(nn.Module):
         self.groups: tuple[PackGroup, ...] = tuple(
             plan_packing(self.specs, pack=packing, across_dims=across_dims, min_width=min_width)
         )
-        self.kernels = nn.ModuleList([_PackKernel(g, mode, device) for g in self.groups])
+        self.kernels = nn.ModuleList([_PackKernel(g, mode, device, custom_ops) for g in self.groups])
         logger.info(
             "packed %d tables into %d packs (sizes %s), mode=%s",
             len(self.specs), len(self.groups), [len(g.tables) for g in self.groups], mode,
@@ -702,7 +804,7 @@ class PackedEmbeddingCollection(nn.Module):
                 if fused:
                     values = _PooledLookup.apply(values, anchor, kernel, plan, self._runs[gi])
                 else:  # inference, or the autograd reference (the copy is differentiable)
-                    kernel.write_columns(values, kernel.lookup(plan), self._runs[gi])
+                    kernel.lookup_into(values, plan, self._runs[gi])
                 continue
             out = _SequenceLookup.apply(anchor, kernel, plan) if fused else kernel.lookup(plan)
             chunks = torch.split(out, list(plan.seq_rows), dim=0)
