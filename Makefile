@@ -16,6 +16,7 @@ $(STAMP): setup.py constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,mpi]"
 	$(PY) -m sparse_scale.prebuild
+	$(PY) -m picasso_ops.ops.builder --prebuild
 	touch $@
 
 venv: $(STAMP)

@@ -214,9 +214,10 @@ def test_training_steps_match_reference(optimizer, packing, mode):
                 assert int(state["step"]) == step
 
 
-def test_fused_backward_never_makes_a_dense_gradient():
+@pytest.mark.parametrize("custom_ops", [False, True], ids=["torch", "custom-ops"])
+def test_fused_backward_never_makes_a_dense_gradient(custom_ops):
     specs = [TableSpec("big", 400_000, 16, optimizer="rowwise_adagrad"), TableSpec("small", 50, 16, optimizer="rowwise_adagrad")]
-    emb = PackedEmbeddingCollection(specs)
+    emb = PackedEmbeddingCollection(specs, custom_ops=custom_ops)
     assert list(emb.parameters()) == []
     assert all(not k.weight.requires_grad for k in emb.kernels)
     batch = JaggedBatch(["big", "small"], torch.tensor([5, 5, 399_999, 7, 1, 1, 2, 3]), torch.tensor([[2, 2], [3, 1]]))
@@ -240,6 +241,8 @@ def test_fused_backward_never_makes_a_dense_gradient():
     assert dense_peak >= table_bytes
     assert fused_peak < table_bytes / 100
     assert all(k.weight.grad is None for k in emb.kernels)
+    if custom_ops:
+        return  # the C++/Triton op updates rows in place; the torch optimizer is not called
     (upd,) = captured
     assert upd.rows.tolist() == [5, 7, 399_999, 400_001, 400_002, 400_003]  # unique rows only
     assert upd.grad.shape == (6, 16)
