@@ -82,19 +82,6 @@ def optimizer_param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
         {"params": list(model.parameters()), "name": "parameters"})
 
 
-def relink_zero_optimizer_states(engine) -> None:
-    """Re-link ZeRO 1/2's per-parameter views of the optimizer state once every group has stepped.
-
-    DeepSpeed 0.19.8 links them lazily right after the *first* param group's step, before the
-    expert group (``moe: True``) has any state, so the experts' ``exp_avg`` stays unreachable
-    and checkpointing through ``safe_get_full_optimizer_state`` fails.
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    if hasattr(optimizer, "_hp_optimizer_states_linked"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-
-
 def _setup_wandb_env(out: Path) -> str:
     """Offline wandb unless the user has a key or chose a mode; returns the mode."""
     os.environ.setdefault("WANDB_DIR", str(out))
@@ -162,7 +149,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     batches = corpus.train_batches(seq_len, micro_batch, rank, world, args.seed, progress.micro_batches)
     bar = tqdm(total=args.steps, initial=progress.step, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=1.0)
-    train_time, tokens_this_run, last_ckpt, relinked = 0.0, 0, None, False
+    train_time, tokens_this_run, last_ckpt = 0.0, 0, None
     running = torch.zeros(3)  # ce loss sum, aux loss sum, count
     step_tokens = micro_batch * seq_len * world * grad_accum
     while progress.step < args.steps:
@@ -174,9 +161,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             engine.step()
             progress.micro_batches += 1
             running += torch.tensor([result.ce_loss.item(), result.aux_loss.item(), 1.0])
-        if not relinked:
-            relink_zero_optimizer_states(engine)
-            relinked = True
         progress.step += 1
         progress.tokens += step_tokens
         tokens_this_run += step_tokens

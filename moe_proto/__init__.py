@@ -5,6 +5,11 @@ Example::
     from moe_proto import MoE
     moe = MoE(hidden_size=256, num_experts=16, num_prototypes=2, ffn_hidden_size=1024, use_rts=False)
     out, l_aux, exp_counts = moe(x)
+
+The submodules' public API is re-exported here: expert parallelism (``parallel``),
+topology-free checkpoints (``checkpoint``), routing statistics (``stats``) and the
+reference LM (``models``). They are imported eagerly: ``layer`` already needs torch and
+DeepSpeed, and the four add about 20 ms to ``import moe_proto`` (``python -X importtime``).
 """
 from .args import MoEArgs
 from .dispatch import DispatchPlan, permute, plan_dispatch, unpermute
@@ -12,6 +17,13 @@ from .experts import GroupedExperts, grouped_matmul, grouped_mm_supported
 from .layer import MoE
 from .routing import (RoutingRecord, RoutingStats, expert_capacity, multiplicative_jitter, route,
                       route_deepspeed_top1, route_deepspeed_top2, router_z_loss)
+from .checkpoint import (expert_params, full_state_dict, iter_expert_files, load_checkpoint, load_full_state_dict,
+                         relink_zero_optimizer_states, save_checkpoint)
+from .models import LMOutput, MoEModelConfig, MoETransformerArgs, MoETransformerLM
+from .parallel import (ExchangePlan, ExpertParallelMismatch, check_group_agreement, clip_grad_norm_,
+                       combine_from_experts, dispatch_to_experts, fix_engine_grad_clipping, global_grad_norm,
+                       plan_exchange)
+from .stats import LayerStats, MoEStatsLogger, collect_moe_stats, stats_events
 
 __all__ = [
     "MoE",
@@ -31,4 +43,32 @@ __all__ = [
     "GroupedExperts",
     "grouped_matmul",
     "grouped_mm_supported",
+    # parallel
+    "ExchangePlan",
+    "ExpertParallelMismatch",
+    "check_group_agreement",
+    "plan_exchange",
+    "dispatch_to_experts",
+    "combine_from_experts",
+    "global_grad_norm",
+    "clip_grad_norm_",
+    "fix_engine_grad_clipping",
+    # checkpoint
+    "save_checkpoint",
+    "load_checkpoint",
+    "full_state_dict",
+    "load_full_state_dict",
+    "expert_params",
+    "iter_expert_files",
+    "relink_zero_optimizer_states",
+    # stats
+    "LayerStats",
+    "MoEStatsLogger",
+    "collect_moe_stats",
+    "stats_events",
+    # models
+    "MoEModelConfig",
+    "MoETransformerArgs",
+    "MoETransformerLM",
+    "LMOutput",
 ]

@@ -17,7 +17,10 @@ partition through the parameter's ``_hp_mapping`` addresses, like DeepSpeed's
 ``safe_get_full_*`` API but reading the optimizer state directly; without ZeRO from
 the optimizer), so loading at another
 ``ep_size`` (or ZeRO stage, or world size) just slices the rows of the experts a rank
-holds. Supported optimizers: Adam/AdamW (``exp_avg``, ``exp_avg_sq``, ``step``).
+holds. Supported optimizers: Adam/AdamW (``exp_avg``, ``exp_avg_sq``, ``step`` per param group).
+The param groups' scheduled hyperparameters (``lr``, ``betas``, ``momentum``) are saved too:
+DeepSpeed's schedulers (e.g. ``WarmupLR``) restore only their iteration counter and would
+leave the first resumed step at the initial lr.
 
 Example::
 
@@ -42,6 +45,8 @@ from .layer import MoE
 logger = logging.getLogger(__name__)
 
 OPTIM_KEYS: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+# Param-group entries that LR/momentum schedulers write; restored on load, other settings come from the config.
+SCHEDULED_KEYS: Tuple[str, ...] = ("lr", "betas", "momentum")
 _SUBDIR = "moe_proto"
 _EXPERT_FILE = re.compile(r"experts_(\d+)-(\d+)\.pt$")
 
@@ -102,13 +107,43 @@ def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     return out
 
 
+def relink_zero_optimizer_states(engine: Any) -> bool:
+    """Re-link ZeRO 1/2's per-parameter views of the optimizer state once every param group has state.
+
+    DeepSpeed 0.19.8 links them (``_lazy_init_hp_params_optimizer_state``) right after the
+    *first* param group's step, before a later group (the experts' ``moe: True`` group) has
+    any state, and never again: those parameters' views stay empty, so
+    ``deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg")`` raises ``KeyError`` for
+    them. :func:`save_checkpoint` and :func:`load_checkpoint` call this; a training loop
+    that reads optimizer state through DeepSpeed's API can call it after the first step.
+    Returns whether the views are linked (False without ZeRO 1/2, or before the first step).
+
+    Example::
+
+        engine.step(); relink_zero_optimizer_states(engine)
+        safe_get_full_optimizer_state(model.moe.experts.w1, "exp_avg")   # now a tensor
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if not _is_zero(engine) or not hasattr(optimizer, "_hp_optimizer_states_linked"):
+        return False
+    state = optimizer.optimizer.state
+    ready = all(len(state.get(flat, {})) > 0 for flat in optimizer.single_partition_of_fp32_groups)
+    # Unlinked, DeepSpeed links again after the next step; linking empty state now would stick.
+    optimizer._hp_optimizer_states_linked = False
+    if ready:
+        optimizer._lazy_init_hp_params_optimizer_state()
+    return ready
+
+
 def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
     """Write parameters and Adam state, experts split per global expert rows (collective).
 
+    Also re-links ZeRO's optimizer-state views (:func:`relink_zero_optimizer_states`).
     Returns the checkpoint directory. Example::
 
         path = save_checkpoint(engine, "ckpt", "step3")
     """
+    relink_zero_optimizer_states(engine)
     path = os.path.join(save_dir, tag, _SUBDIR)
     model = engine.module
     owners = expert_params(model)
@@ -129,13 +164,17 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
             experts[name] = entry
             writer_ranges[name] = layer.expert_range
     if rank == 0:
-        meta = {"step": _optimizer_step(engine), "global_steps": int(getattr(engine, "global_steps", 0)),
+        groups = _param_group_states(engine)
+        meta = {"step": max((g["step"] for g in groups), default=0.0),
+                "global_steps": int(getattr(engine, "global_steps", 0)),
                 "global_samples": int(getattr(engine, "global_samples", 0)),
+                "param_groups": groups,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
                 "experts": {n: {"num_experts": l.num_experts, "ep_size": l.ep_size} for n, l in owners.items()}}
         torch.save({"params": dense, "meta": meta}, os.path.join(path, "dense.pt"))
         with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump({k: v for k, v in meta.items() if k != "lr_scheduler"}, f, indent=1)
+            # default=float: a tensor-valued lr stays readable.
+            json.dump({k: v for k, v in meta.items() if k != "lr_scheduler"}, f, indent=1, default=float)
     if experts and _is_expert_writer(owners):
         ranges = set(writer_ranges.values())
         if len(ranges) != 1:
@@ -152,8 +191,10 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
 def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``engine`` at any ep_size (collective).
 
-    Sets parameters (model and ZeRO fp32 master copies), Adam moments and step,
-    ``engine.global_steps`` and the LR scheduler. Returns the checkpoint metadata. Example::
+    Sets parameters (model and ZeRO fp32 master copies), Adam moments and each param
+    group's step, ``engine.global_steps``, the LR scheduler and the param groups' ``lr`` /
+    ``betas`` / ``momentum``, then re-links ZeRO's optimizer-state views. Returns the
+    checkpoint metadata. Example::
 
         meta = load_checkpoint(engine, "ckpt", "step3")
     """
@@ -167,7 +208,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     owners = expert_params(model)
     needed = {name: layer.expert_range for name, layer in owners.items()}
     expert_entries = _read_expert_rows(path, needed)
-    _materialize_optimizer_state(engine, meta["step"])
+    _materialize_optimizer_state(engine, _saved_group_steps(engine, meta))
     for name, param in model.named_parameters():
         if name in owners:
             saved_layer = meta["experts"].get(name)
@@ -184,6 +225,9 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     engine.global_samples = meta["global_samples"]
     if meta.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    # After the scheduler: its load_state_dict leaves the groups' lr at the initial value.
+    _restore_group_hyperparameters(engine, meta, path)
+    relink_zero_optimizer_states(engine)
     dist.barrier()
     logger.info("loaded moe_proto checkpoint %s (saved at ep sizes %s)", path,
                 sorted({v["ep_size"] for v in meta["experts"].values()}))
@@ -215,11 +259,45 @@ def _is_zero(engine: Any) -> bool:
     return engine.zero_optimization_stage() in (1, 2)
 
 
-def _optimizer_step(engine: Any) -> float:
-    for state in _base_optimizer(engine).state.values():
-        if "step" in state:
-            return float(state["step"])
-    return 0.0
+def _param_group_states(engine: Any) -> List[Dict[str, Any]]:
+    """Per param group of the (inner) optimizer: its Adam ``step`` and the :data:`SCHEDULED_KEYS` it has."""
+    base = _base_optimizer(engine)
+    out: List[Dict[str, Any]] = []
+    for group in base.param_groups:
+        steps = [base.state[p]["step"] for p in group["params"] if "step" in base.state.get(p, {})]
+        entry: Dict[str, Any] = {"step": float(steps[0]) if steps else 0.0}
+        entry.update({k: group[k] for k in SCHEDULED_KEYS if k in group})
+        out.append(entry)
+    return out
+
+
+def _saved_group_steps(engine: Any, meta: Dict[str, Any]) -> List[float]:
+    """The Adam step for each of ``engine``'s param groups (one shared step if the group count changed)."""
+    count = len(_base_optimizer(engine).param_groups)
+    saved = meta.get("param_groups")
+    if saved is not None and len(saved) == count:
+        return [float(g["step"]) for g in saved]
+    return [float(meta["step"])] * count
+
+
+def _restore_group_hyperparameters(engine: Any, meta: Dict[str, Any], path: str) -> None:
+    """Set the param groups' :data:`SCHEDULED_KEYS` to the saved values (by group index)."""
+    groups = _base_optimizer(engine).param_groups
+    saved = meta.get("param_groups")
+    if saved is None:
+        logger.warning("%s predates saved param-group hyperparameters: the lr stays at its initial value "
+                       "until the scheduler's next step", path)
+        return
+    if len(saved) != len(groups):
+        values = {repr({k: g[k] for k in SCHEDULED_KEYS if k in g}) for g in saved}
+        if len(values) != 1:
+            raise ValueError(f"{path}: saved with {len(saved)} param groups of different hyperparameters, "
+                             f"the optimizer has {len(groups)}: cannot tell which is which")
+        saved = [saved[0]] * len(groups)
+    for group, entry in zip(groups, saved):
+        for key in SCHEDULED_KEYS:
+            if key in group and key in entry:
+                group[key] = entry[key]
 
 
 def _read_param_state(engine: Any, param: nn.Parameter) -> Dict[str, Tensor]:
@@ -237,20 +315,21 @@ def _read_param_state(engine: Any, param: nn.Parameter) -> Dict[str, Tensor]:
     return entry
 
 
-def _materialize_optimizer_state(engine: Any, step: float) -> None:
-    """Create Adam state (zeros, the saved step) where the optimizer has none yet, then link ZeRO's views."""
+def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
+    """Create Adam state (zeros) where the optimizer has none yet and set each group's saved step.
+
+    Under ZeRO 1/2 the inner optimizer's group ``i`` holds exactly the flat fp32 partition ``i``.
+    """
     base = _base_optimizer(engine)
-    targets: List[Tensor]
-    if _is_zero(engine):
-        targets = list(engine.optimizer.single_partition_of_fp32_groups)
-    else:
-        targets = [p for group in base.param_groups for p in group["params"]]
-    for p in targets:
-        state = base.state[p]
-        for key in OPTIM_KEYS:
-            if key not in state:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    for group, step in zip(base.param_groups, group_steps):
+        # torch's Adam keeps ``step`` on the CPU unless capturable/fused.
+        on_param = bool(group.get("capturable") or group.get("fused"))
+        for p in group["params"]:
+            state = base.state[p]
+            for key in OPTIM_KEYS:
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_param else "cpu")
 
 
 def _zero_hp_source(engine: Any, param: nn.Parameter, key: Optional[str]) -> Optional[Tensor]:

@@ -68,9 +68,8 @@ def test_one_rank_trains_evaluates_and_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="resume is not yet exact: eval loss 5.5206 vs 5.5068 straight (2 ranks, "
-                   "ZeRO-1, P=2); under investigation with moe_proto.checkpoint's owner")
 def test_two_ranks_train_and_resume_exactly(tmp_path):
+    """Stop after 2 of 4 steps and resume: the same model as the straight run (expert param group, WarmupLR)."""
     data, cfg = _data(tmp_path), _config(tmp_path, num_prototypes=2)
     straight = run_distributed(_run, 2, args=(_argv(cfg, data, tmp_path / "a", 4),), timeout_s=300,
                                init_process_group=False)
@@ -80,8 +79,9 @@ def test_two_ranks_train_and_resume_exactly(tmp_path):
     resumed = run_distributed(_run, 2, args=([*_argv(cfg, data, tmp_path / "b", 4), "--resume"],), timeout_s=300,
                               init_process_group=False)
     assert resumed[0]["tokens"] == straight[0]["tokens"]
-    # Same windows in the same order, restored weights and Adam state: the same model.
-    assert resumed[0]["eval_loss"] == pytest.approx(straight[0]["eval_loss"], abs=1e-5)
+    # Same windows in the same order, restored weights, Adam state and lr (WarmupLR alone leaves the resumed
+    # step 3 at warmup_min_lr): the same model.
+    assert resumed[0]["eval_loss"] == pytest.approx(straight[0]["eval_loss"], abs=1e-6)
 
 
 def test_missing_model_block_is_a_clear_error(tmp_path):
