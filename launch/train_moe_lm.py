@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dist_env import init_distributed  # noqa: E402
+from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from moe_proto.data import ByteCorpus  # noqa: E402
 from moe_proto.models import MoETransformerArgs, MoETransformerLM  # noqa: E402
 from sparse_scale.config import ConfigError, load_config  # noqa: E402
@@ -82,13 +83,6 @@ def optimizer_param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
         {"params": list(model.parameters()), "name": "parameters"})
 
 
-def _setup_wandb_env(out: Path) -> str:
-    """Offline wandb unless the user has a key or chose a mode; returns the mode."""
-    os.environ.setdefault("WANDB_DIR", str(out))
-    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
-        os.environ["WANDB_MODE"] = "offline"
-    return os.environ.get("WANDB_MODE", "online")
-
 
 def evaluate(engine, corpus: ByteCorpus, seq_len: int, micro_batch: int, rank: int, world: int,
              max_tokens: int) -> dict[str, float]:
@@ -123,7 +117,7 @@ def _moe_stats(model: MoETransformerLM) -> list[tuple[str, float]]:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
-    wandb_mode = _setup_wandb_env(out)
+    wandb_mode = setup_wandb_env(out)
     model_args, ds = model_args_from_config(args.config)
     ctx = init_distributed()
     rank, world = ctx.rank, ctx.world_size
@@ -199,13 +193,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         **metrics,
         "checkpoint": last_ckpt,
         "wandb_mode": wandb_mode,
-        "wandb_dir": _wandb_dir(rank),
+        "wandb_dir": wandb_dir(rank),
     }
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         _print_summary(summary)
-    _finish_wandb(rank)
+    finish_wandb(rank)
     return summary
 
 
@@ -232,20 +226,6 @@ def _load(engine, ckpt_dir: Path) -> tuple[str, Progress]:
     return str(ckpt_dir / tag), Progress(**json.loads((ckpt_dir / tag / "progress.json").read_text()))
 
 
-def _wandb_dir(rank: int) -> str | None:
-    if rank != 0:
-        return None
-    import wandb
-
-    return wandb.run.dir if wandb.run is not None else None
-
-
-def _finish_wandb(rank: int) -> None:
-    if rank == 0:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -263,11 +243,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("checkpoint", s["checkpoint"]),
         ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})"),
     ]
-    width = max(len(k) for k, _ in rows)
-    print("\n" + "-" * 72)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    print("-" * 72, flush=True)
+    print_table(rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dist_env import init_distributed  # noqa: E402
+from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from picasso_ops.data.batch import CTRBatch  # noqa: E402
 from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRStream  # noqa: E402
 from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
@@ -116,13 +117,6 @@ class Progress:
     micro_batches: int = 0  # batches consumed by each rank (ranks run in lockstep)
     samples: int = 0  # global samples trained
 
-
-def _setup_wandb_env(out: Path) -> str:
-    """Offline wandb unless the user has a key or chose a mode; returns the mode."""
-    os.environ.setdefault("WANDB_DIR", str(out))
-    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
-        os.environ["WANDB_MODE"] = "offline"
-    return os.environ.get("WANDB_MODE", "online")
 
 
 def _gather_cat(t: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -306,7 +300,7 @@ def build_engine(job: RecJob, model: torch.nn.Module):
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
-    wandb_mode = _setup_wandb_env(out)
+    wandb_mode = setup_wandb_env(out)
     ctx = init_distributed()
     rank, world = ctx.rank, ctx.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size or ctx.world_size))
@@ -402,7 +396,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         **metrics,
         "checkpoint": last_ckpt,
         "wandb_mode": wandb_mode,
-        "wandb_dir": _wandb_dir(rank),
+        "wandb_dir": wandb_dir(rank),
         "eval_history": history,
     }
     if job.gba is not None:
@@ -412,24 +406,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         _print_summary(summary)
-    _finish_wandb(rank)
+    finish_wandb(rank)
     return summary
 
 
-def _wandb_dir(rank: int) -> str | None:
-    if rank != 0:
-        return None
-    import wandb
-
-    return wandb.run.dir if wandb.run is not None else None
-
-
-def _finish_wandb(rank: int) -> None:
-    if rank == 0:
-        import wandb
-
-        if wandb.run is not None:
-            wandb.finish()
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -444,11 +424,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         rows.append(("best reachable AUC", f"{s['bayes_auc']:.4f}  (planted teacher; gap {s['bayes_auc'] - s['auc']:.4f})"))
     rows.append(("log loss", f"{s['log_loss']:.4f}" + (f"  (teacher {s['bayes_log_loss']:.4f})" if "bayes_log_loss" in s else "")))
     rows += [("checkpoint", s["checkpoint"]), ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})")]
-    width = max(len(k) for k, _ in rows)
-    print("\n" + "-" * 72)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    print("-" * 72, flush=True)
+    print_table(rows)
 
 
 def main(argv: list[str] | None = None) -> None:

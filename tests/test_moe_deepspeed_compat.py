@@ -21,15 +21,6 @@ MIN_CAPACITIES = [0, 4]
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)  # same maths, different summation order over routes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add OpenMP stalls on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _dense_combine(rec, capacity):
     s, _ = rec.expert_index.shape
     dense = torch.zeros(s, rec.num_experts, capacity)

@@ -9,15 +9,6 @@ from moe_proto import MoE, GroupedExperts, grouped_matmul, grouped_mm_supported
 D, FFN = 16, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add OpenMP stalls on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _naive_ffn(experts, e, x):
     h = x @ experts.w1[e]
     if experts.b1 is not None:

@@ -9,15 +9,6 @@ import torch.nn.functional as F
 from moe_proto.routing import (expert_capacity, gumbel_noise, multiplicative_jitter, route, router_z_loss)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add OpenMP stalls on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _check_invariants(rec, capacity):
     s, k = rec.expert_index.shape
     e = rec.num_experts

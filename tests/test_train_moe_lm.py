@@ -1,7 +1,6 @@
 """The MoE LM job end to end on real gloo ranks: training, held-out bits/byte, checkpoint and resume."""
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("train_moe_lm", ROOT / "launch" / "train_moe_lm.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_moe_lm"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("launch.train_moe_lm")
 
 
 def _run(rank, world_size, argv):

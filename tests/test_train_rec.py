@@ -1,7 +1,6 @@
 """The main job end to end on real gloo ranks: training, exact eval, checkpoint resume, ZeRO stages."""
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,7 @@ SMALL = ["--steps", "6", "--eval-samples", "2048", "--vocab", "500", "--threads"
 
 
 def _train_rec():
-    spec = importlib.util.spec_from_file_location("train_rec", ROOT / "launch" / "train_rec.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_rec"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("launch.train_rec")
 
 
 def _run(rank, world_size, argv):

@@ -1,0 +1,66 @@
+"""Smoke tests of the issue 4 item 9 benchmarks: tiny sizes, one run, well-formed rows (never timings)."""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_embedding_bench_row_is_well_formed():
+    emb = _load("embedding")
+    methods = emb._available(["per_field", "torchrec_ebc", "fbgemm_tbe", "ours"])
+    assert "per_field" in methods and "ours" in methods
+    row = emb.bench_config(3, 4, batch_size=8, rows=50, reps=1, warmup=0, methods=methods)
+    assert (row["F"], row["D"], row["B"], row["rows_per_table"]) == (3, 4, 8, 50)
+    assert row["methods"] == methods
+    for m in methods:
+        for key in ("fwd_wall", "fwd_cpu", "step_wall", "step_cpu"):
+            v = row[f"{m}_{key}_ms"]
+            assert isinstance(v, float) and math.isfinite(v) and v >= 0
+    # every method computes the same lookup and the same row-wise Adagrad step from the same weights
+    for name, a in row["agreement"].items():
+        assert a["max_fwd_diff"] < 1e-5, name
+        assert a["max_step_diff"] is None or a["max_step_diff"] < 1e-5, name
+    if "fbgemm_tbe" in methods:
+        assert row["ours_vs_fbgemm_fwd_cpu"] > 0 and row["ours_vs_fbgemm_step_wall"] > 0
+    table = emb.format_table([row], "cpu")
+    assert table.count("\n") == 2 and "| 3 | 4 | 50 |" in table
+
+
+def test_embedding_rows_cap_and_results_section(tmp_path):
+    emb = _load("embedding")
+    assert emb.rows_for(26, 10_000, 2_500_000) == 10_000
+    assert emb.rows_for(1000, 10_000, 2_500_000) == 2_500
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\n## Other\n\nkeep me\n")
+    emb.write_section(path, emb.SECTION, "first")
+    emb.write_section(path, emb.SECTION, "second")
+    text = path.read_text()
+    assert "keep me" in text and "second" in text and "first" not in text and text.count(emb.SECTION) == 1
+
+
+@pytest.mark.slow
+def test_rec_e2e_rows_are_well_formed(tmp_path):
+    e2e = _load("rec_e2e")
+    rows = [
+        e2e.run_variant(name, picasso, tmp_path, fields=26, vocab=100, steps=2, eval_samples=256, micro_batch=32,
+                        timeout_s=170)
+        for name, picasso in (("off", False), ("on", True))
+    ]
+    for row in rows:
+        assert row["steps"] == 2 and row["samples"] == 64
+        assert row["samples_per_s"] > 0 and 0.0 <= row["auc"] <= 1.0 and row["process_wall_s"] > 0
+    assert "picasso" in (tmp_path / "on.json").read_text() and "picasso" not in (tmp_path / "off.json").read_text()
+    table = e2e.format_table(rows)
+    assert "| off | 1 | 2 |" in table and "| on | 1 | 2 |" in table and "on/off samples/s" in table
