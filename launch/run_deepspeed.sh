@@ -27,20 +27,8 @@ else
 fi
 command -v "$DEEPSPEED" >/dev/null || { echo "$0: $DEEPSPEED not found: pip install deepspeed" >&2; exit 127; }
 
-NPROC=${NPROC:-2}
-TRAIN_SCRIPT=${TRAIN_SCRIPT:-launch/train_rec.py}
-[[ -f "$TRAIN_SCRIPT" ]] || TRAIN_SCRIPT="$REPO/$TRAIN_SCRIPT"
-[[ -f "$TRAIN_SCRIPT" ]] || { echo "$0: entry script ${TRAIN_SCRIPT#"$REPO/"} not found" >&2; exit 2; }
-MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-
-# `hostname -I` is not loopback on every machine: pin the rendezvous and gloo to lo for local runs.
-export MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo
-[[ -n "${WANDB_API_KEY:-}" ]] || export WANDB_MODE=${WANDB_MODE:-offline}
-# One BLAS/OpenMP thread pool per core share, instead of every rank using every core.
-CORES=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}
-# Entry scripts import `launch.*` and the in-repo packages even without `pip install -e`.
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=launch/local_env.sh
+source "$REPO/launch/local_env.sh"
 
 # Without a hostfile the launcher runs on localhost; --num_gpus sets the rank count (CPU accelerator too).
 # shellcheck disable=SC2206  # LAUNCHER_ARGS is meant to be word-split

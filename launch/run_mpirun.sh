@@ -35,17 +35,8 @@ if [[ -z "${MPIRUN:-}" ]]; then
 fi
 [[ -n "${MPIRUN:-}" ]] || { echo "$0: no mpirun/mpiexec found: pip install mpich mpi4py (or make venv)" >&2; exit 127; }
 
-NPROC=${NPROC:-2}
-TRAIN_SCRIPT=${TRAIN_SCRIPT:-launch/train_rec.py}
-[[ -f "$TRAIN_SCRIPT" ]] || TRAIN_SCRIPT="$REPO/$TRAIN_SCRIPT"
-[[ -f "$TRAIN_SCRIPT" ]] || { echo "$0: entry script ${TRAIN_SCRIPT#"$REPO/"} not found" >&2; exit 2; }
-MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-
-export MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo
-[[ -n "${WANDB_API_KEY:-}" ]] || export WANDB_MODE=${WANDB_MODE:-offline}
-CORES=$(nproc)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=launch/local_env.sh
+source "$REPO/launch/local_env.sh"
 
 # Note: Hydra stops the other ranks when one dies only for ranks that called MPI_Init; ours use gloo,
 # so after a crash the survivors end on gloo's "Connection closed by peer" instead.
