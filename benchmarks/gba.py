@@ -8,10 +8,8 @@ the same AdamW and learning rate (``ds_configs/gba_cpu.json``):
 * ``sync``  ``mode: sync``: DeepSpeed all-reduce over the 4 workers (the server idles);
 * ``gba``   ``mode: gba``, fully asynchronous (``max_lead: null``), M = 4 gradients per update,
   staleness decay as configured (default drop above tau = 4);
-* ``async`` plain asynchronous PS: every local gradient applied at once (M = 1), no staleness
-  decay. The engine has no config knob for M (``_enter_gba`` always asks the servers for
-  M = number of workers), so this row uses a benchmark-only shim that rewrites the ``serve``
-  command's ``m`` (see ``_force_grads_per_update``);
+* ``async`` plain asynchronous PS: every local gradient applied at once (``grads_per_update: 1``),
+  no staleness decay;
 * ``ssp``   ``mode: gba`` with ``max_lead: K`` (SSP-style bound: a worker's n-th pull of a phase
   waits for version >= start + n - K), M = 4, no staleness decay.
 
@@ -64,39 +62,13 @@ def _train_rec():
     return mod
 
 
-_FORCED_M: list = [None]
-
-
-def _force_grads_per_update(m: int | None) -> None:
-    """Benchmark-only shim: make the servers apply every ``m`` gradients (plain async: m = 1; None: engine's M).
-
-    gba_engine has no config field for M; ``GBAEngine._enter_gba`` sends ``serve`` with
-    ``m=self.num_workers``. This rewrites that one field of the command on the first worker.
-    """
-    from gba_engine.engine import GBAEngine
-
-    _FORCED_M[0] = m
-    if getattr(GBAEngine._command, "_bench_shim", False):
-        return
-    orig = GBAEngine._command
-
-    def _command(self, op, **kw):
-        if op == "serve" and _FORCED_M[0] is not None:
-            kw["m"] = _FORCED_M[0]
-        return orig(self, op, **kw)
-
-    _command._bench_shim = True
-    GBAEngine._command = _command
-
-
 def _rank_many(rank: int, world_size: int, jobs: list) -> list:
     """Run several train_rec jobs one after another in the same 5 processes (process start-up is
     minutes on the shared 2-core box); every worker writes its numbers to OUT/worker<rank>.json."""
     os.environ["WANDB_MODE"] = "offline"
     train_rec = _train_rec()
     done = []
-    for argv, m in jobs:
-        _force_grads_per_update(m)
+    for argv in jobs:
         args = train_rec.parse_args(argv)
         t0 = time.perf_counter()
         s = train_rec.train(args)
@@ -113,12 +85,13 @@ def _rank_many(rank: int, world_size: int, jobs: list) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- launch
-def _config(out: Path, mode: str, micro: int, max_lead, threshold: int | None, switch: dict | None) -> str:
+def _config(out: Path, mode: str, micro: int, max_lead, threshold: int | None, switch: dict | None,
+            m: int | None = None) -> str:
     cfg = json.loads((ROOT / "ds_configs" / "gba_cpu.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["wandb"] = {"enabled": False}
     g = cfg["gba"]
-    g.update(mode=mode, num_servers=SERVERS, max_lead=max_lead, timeout_s=120, heartbeat_s=1.0)
+    g.update(mode=mode, num_servers=SERVERS, max_lead=max_lead, grads_per_update=m, timeout_s=120, heartbeat_s=1.0)
     if threshold is not None:
         g["staleness"] = {**g["staleness"], "threshold": threshold}
     if switch:
@@ -158,15 +131,15 @@ def stragglers(scenario: str, seed: int, steps: int, windows: int) -> list[str]:
 
 
 def job_argv(out: Path, seed: int, method: str, straggle: list[str], a: argparse.Namespace, steps: int,
-             mode: str | None = None, switch: dict | None = None) -> tuple[list, int | None]:
+             mode: str | None = None, switch: dict | None = None) -> list[str]:
     st = method_setup(method, a.ssp_lead)
-    cfg = _config(out, mode or st["mode"], a.micro_batch, st["max_lead"], st["threshold"], switch)
+    cfg = _config(out, mode or st["mode"], a.micro_batch, st["max_lead"], st["threshold"], switch, st["m"])
     argv = ["--config", cfg, "--steps", str(steps), "--out", str(out), "--seed", str(seed),
             "--fields", str(a.fields), "--vocab", str(a.vocab), "--eval-samples", str(WORKERS * a.micro_batch),
             "--threads", "1"]
     for s in straggle:
         argv += ["--straggler", s]
-    return argv, st["m"]
+    return argv
 
 
 def collect(out: Path, a: argparse.Namespace) -> dict:

@@ -49,3 +49,6 @@ class GBAConfig(_Block):
     # None: fully asynchronous GBA; k: a worker's n-th pull of a phase waits for version >= start + n - k
     # (bounded staleness, SSP-style); 0 is lockstep, where a gba step equals a sync step exactly.
     max_lead: NonNegativeInt | None = None
+    # Gradients the servers aggregate per update (M). None: one per worker, i.e. the sync global
+    # batch, which is GBA's tuning-free setting; 1 is plain asynchronous PS training.
+    grads_per_update: PositiveInt | None = None

@@ -419,7 +419,7 @@ class GBAEngine:
                     wait_sent(works)
             self.truth = "servers"
         if first:
-            self._command("serve", m=self.num_workers)  # acknowledged when the phase ends
+            self._command("serve", m=self.gba.grads_per_update or self.num_workers)  # acknowledged when the phase ends
         self._phase += 1
         self._phase_v0, self._phase_pushes, self._token, self._micro = self.version, 0, None, 0
         self.client = PSClient(self.rt, sum(p.numel() for p in self.module.parameters()), [])

@@ -150,3 +150,13 @@ def test_handover_deepspeed_to_server_and_back_is_exact(launch, stage):
         assert w["next_loss"][0] == w["next_loss"][1] and w["next_exact"], "the fresh engine must continue identically"
     assert server["exact"] and server["version"] == 3
     assert server["ticks"] >= 2 and server["tick_versions"] == [3]
+
+
+def test_grads_per_update_config():
+    from gba_engine.config import GBAConfig
+    from sparse_scale.config import ConfigError, parse_config
+
+    assert GBAConfig().grads_per_update is None  # one gradient per worker: the sync global batch
+    assert GBAConfig(grads_per_update=1).grads_per_update == 1  # plain asynchronous PS
+    with pytest.raises(ConfigError, match=r"gba\.grads_per_update: .*greater than 0 \(got 0\)"):
+        parse_config({"gba": {"grads_per_update": 0}})
