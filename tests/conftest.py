@@ -1,5 +1,8 @@
+import glob
 import os
+import time
 
+import pytest
 import torch
 
 # Small ops stall for milliseconds when two torch threads share 2 busy cores; tests need no speed.
@@ -11,3 +14,16 @@ os.environ.setdefault("WANDB_SILENT", "true")
 if not torch.cuda.is_available():
     # Triton kernels run in its CPU interpreter here; the variable must be set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_leaked_deepspeed_shm_buffers():
+    """DeepSpeed's CPU shm comm op leaves a 66 MB /dev/shm buffer per rank and port; ours fill the tmpfs otherwise."""
+    start = time.time() - 1.0
+    yield
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        try:
+            if os.stat(path).st_mtime >= start:  # created by this session's ranks, which have all exited
+                os.unlink(path)
+        except OSError:
+            pass
