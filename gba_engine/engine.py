@@ -37,7 +37,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from sparse_scale.config import parse_config, read_config_file
 
 from .checkpoint import load_shard, save_shard
+from .claims import BatchClaims
 from .config import GBAConfig
 from .observe import Observer
 from .ps import OptimizerSpec, ParameterServer, PSClient, PSRuntime, init_runtime, layout
@@ -70,6 +71,20 @@ def _ack_key(seq: int, server: int) -> str:
 
 def _done_key(rank: int) -> str:
     return f"gba/done/{rank}"
+
+
+def _exhausted_key(phase: int) -> str:
+    return f"gba/exhausted/{phase}"
+
+
+def _out_key(phase: int, rank: int) -> str:
+    return f"gba/out/{phase}/{rank}"
+
+
+def _end_key(phase: int) -> str:
+    # set once per gba phase by compare_set: "leave|TARGET|REASON" (auto mode returns to sync) or "finished"
+    # (the data ran out); whichever comes first wins, so a worker that has stopped is never asked to switch
+    return f"gba/end/{phase}"
 
 
 class _WorkerMPU:
@@ -188,6 +203,7 @@ class _ServerLoop:
         self.totals: dict = {"received": 0, "counted": 0, "dropped": 0, "decayed": 0, "staleness": {},
                              "lost_workers": [], "version": 0, "pushes": {}}
         self.last_save = 0
+        self.phase = 0  # gba phases served so far (the engine numbers them the same way)
 
     def _publish(self, live: dict | None = None) -> None:
         out = json.loads(json.dumps(self.totals))
@@ -207,6 +223,8 @@ class _ServerLoop:
                 self.last_save = int(req_id)
                 save_shard(state_from_server(ps), path, self.index, self.rt.layout.num_servers)
                 self.rt.store.set(f"gba/save_done/{req_id}/{self.index}", "1")
+        if not ps.data_ended and self.rt.store.check([_exhausted_key(self.phase)]):
+            ps.end_of_data()  # no worker may wait for pushes that will never come
         self._publish({**ps.control.stats.as_dict(), "version": ps.version})
 
     def _wait_command(self, seq: int) -> dict | None:
@@ -250,6 +268,7 @@ class _ServerLoop:
         return self.totals
 
     def _serve(self, m: int) -> dict:
+        self.phase += 1
         full = torch.zeros(self.numel)  # ParameterServer keeps only its range of dense_init
         start, end = DenseSharding(self.numel, self.rt.layout.num_servers).bounds[self.index]
         full[start:end] = self.state.params
@@ -306,6 +325,7 @@ class GBAEngine:
         self._mark = time.perf_counter()
         self._times_seen: dict[int, int] = {}
         self._pinned = False
+        self._claims: BatchClaims | None = None
         self._closed = self.is_server
         self._worker_live = Liveness(rt, self.workers) if not self.is_server else None
         if not self.is_server:
@@ -380,6 +400,59 @@ class GBAEngine:
         """
         return self.rt.worker_group
 
+    def claim_batches(self, total: int, start: int = 0) -> Iterator[int]:
+        """Job-wide batch numbers for this worker until ``total`` are taken (use it in gba and auto modes).
+
+        Sync: worker w of N takes ``start + k*N + w`` (lockstep). gba: the next free number
+        (fast workers take more). Each number must be trained with one full step (``gas``
+        micro-batches) before asking for the next. Every worker sees the end at the same
+        point of the job, so it is safe to run collectives (evaluation, checkpoints) after
+        the loop; in gba mode the loop ends only once every live worker has pushed its last
+        gradient, so parameters pulled afterwards are the final ones. Resume with
+        ``start=`` :attr:`batches_taken` of the checkpoint.
+
+        Example::
+
+            for index in engine.claim_batches(total=steps * engine.num_workers):
+                x, y = dataset[index]
+                engine.backward(loss_fn(engine(x), y)); engine.step()
+        """
+        self._worker_only("claim_batches")
+        if not 0 <= start <= total:
+            raise ValueError(f"start={start} must be in [0, total={total}]")
+        self._claims = BatchClaims(self.rt.store, self.num_workers, self.workers.index(self.rt.rank), total)
+        if self.mode == "gba":
+            if self.client is None:
+                self._enter_gba()  # numbers a gba phase on every worker, so enter it before the first claim
+            self._claims.enter_gba(self._phase, start)
+        else:
+            self._claims.enter_sync(start)
+        while (index := self._next_claim()) is not None:
+            yield index
+
+    @property
+    def batches_taken(self) -> int:
+        """Batches handed out job-wide by :meth:`claim_batches` so far (0 before it starts)."""
+        return 0 if self._claims is None else self._claims.taken
+
+    def _next_claim(self) -> int | None:
+        index = self._claims.next()
+        if index is not None or self._claims.mode == "sync":
+            return index
+        # gba phase out of batches: nobody may wait for pushes of a worker that stopped
+        store, phase = self.rt.store, self._phase
+        store.set(_exhausted_key(phase), "1")
+        if self.gba.mode == "auto":
+            end = store.compare_set(_end_key(phase), "", "finished").decode()
+            if end.startswith("leave|"):  # the first worker asked for sync before the data ran out: join it
+                self._leave_gba(reason=end.split("|", 2)[2])
+                return self._next_claim()
+        store.set(_out_key(phase, self.rt.rank), "1")
+        live = Liveness(self.rt, self.workers)
+        while not all(store.check([_out_key(phase, w)]) for w in self.workers if w not in live.poll()):
+            time.sleep(_POLL_S)  # a dead worker is dropped by its missing heartbeat, so this cannot hang
+        return None
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` ends an accumulation window (DeepSpeedEngine's contract)."""
         if self.mode == "gba":
@@ -404,7 +477,7 @@ class GBAEngine:
         self._token, self._micro = None, 0
         self._phase_pushes += 1
 
-    def _enter_gba(self, reason: str = "mode gba") -> None:
+    def _enter_gba(self, reason: str = "mode gba", slow: frozenset = frozenset()) -> None:
         t0 = time.perf_counter()
         nbytes = 0
         first = self.rt.rank == self.workers[0]
@@ -422,8 +495,11 @@ class GBAEngine:
             self._command("serve", m=self.gba.grads_per_update or self.num_workers)  # acknowledged when the phase ends
         self._phase += 1
         self._phase_v0, self._phase_pushes, self._token, self._micro = self.version, 0, None, 0
+        if self._claims is not None:
+            self._claims.enter_gba(self._phase, self._claims.taken)  # sync lockstep: the same base everywhere
         self.client = PSClient(self.rt, sum(p.numel() for p in self.module.parameters()), [])
-        self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="gba")
+        # the workers that made us switch stay slow until a full window of their own times says otherwise
+        self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="gba", slow=slow)
         self._switched(self.observer.mode, "gba", t0, nbytes, reason)
 
     def _leave_gba(self, reason: str) -> None:
@@ -451,6 +527,10 @@ class GBAEngine:
         state_into_deepspeed(self.ds_engine, st, self.spec)
         for p in self.module.parameters():
             p.grad = None
+        if self._claims is not None:  # the sync phase starts after every number anybody took in gba
+            free = torch.tensor([self._claims.next_free], dtype=torch.int64)
+            dist.all_reduce(free, op=dist.ReduceOp.MAX, group=self.rt.worker_group)
+            self._claims.enter_sync(int(free))
         self.version, self.truth, self.mode = version, "workers", "sync"
         self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="sync")
         self._switched("gba", "sync", t0, st.nbytes, reason)
@@ -480,11 +560,12 @@ class GBAEngine:
             times = [float(t) for t in gathered]
             d = self.detector.observe(times)
             if d.switched and d.mode == "gba":
-                self._enter_gba(reason=f"slow workers {sorted(d.slow)}, ratios {[round(r, 2) for r in d.ratios]}")
+                self._enter_gba(reason=f"slow workers {sorted(d.slow)}, ratios {[round(r, 2) for r in d.ratios]}",
+                                slow=d.slow)
             return
         store.set(f"gba/t/{self.rt.rank}", f"{self.global_steps}:{local!r}")
-        leave_key = f"gba/leave/{self._phase}"
-        if self.rt.rank == self.workers[0] and not self._pinned and not store.check([leave_key]):
+        end_key = _end_key(self._phase)
+        if self.rt.rank == self.workers[0] and not self._pinned and not store.check([end_key]):
             times = []
             for w in self.workers:
                 raw = store.get(f"gba/t/{w}").decode() if store.check([f"gba/t/{w}"]) else "0:nan"
@@ -498,11 +579,13 @@ class GBAEngine:
                 logger.warning("gba: workers %s are gone; auto mode stays in gba", sorted(lost))
             else:
                 d = self.detector.observe(times)
-                if d.switched and d.mode == "sync":
-                    store.set(leave_key, f"{self._leave_target()}|recovered, ratios {[round(r, 2) for r in d.ratios]}")
-        if store.check([leave_key]):
-            target, _, reason = store.get(leave_key).decode().partition("|")
-            if self._phase_pushes >= int(target):
+                if d.switched and d.mode == "sync":  # loses to a "finished" some worker set first
+                    store.compare_set(end_key, "", f"leave|{self._leave_target()}|recovered, ratios "
+                                               f"{[round(r, 2) for r in d.ratios]}")
+        if store.check([end_key]):
+            kind, _, rest = store.get(end_key).decode().partition("|")
+            target, _, reason = rest.partition("|")
+            if kind == "leave" and self._phase_pushes >= int(target):
                 self._leave_gba(reason=reason)
 
     def _leave_target(self) -> int:

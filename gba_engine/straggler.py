@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 _MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
 _MAD_SIGMAS = 3.0  # a gap smaller than 3 sigmas of the worker's own jitter is noise
@@ -64,7 +64,7 @@ class StragglerDetector:
     """
 
     def __init__(self, num_workers: int, slow_ratio: float = 1.5, recover_ratio: float = 1.2, window: int = 8,
-                 min_dwell_steps: int = 20, mode: str = "sync") -> None:
+                 min_dwell_steps: int = 20, mode: str = "sync", slow: Iterable[int] = ()) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 1.0 < recover_ratio < slow_ratio:
@@ -79,14 +79,16 @@ class StragglerDetector:
         self.mode = mode
         self.step = 0
         self.last_switch_step = 0
-        self.slow: set[int] = set()
+        self.slow: set[int] = set(slow)  # carried over a switch: only the worker's own times can clear it
+        if any(not 0 <= w < num_workers for w in self.slow):
+            raise ValueError(f"slow workers {sorted(self.slow)} are not in [0, {num_workers})")
         self._times = [collections.deque(maxlen=window) for _ in range(num_workers)]
 
     @classmethod
-    def from_config(cls, switch, num_workers: int, mode: str = "sync") -> "StragglerDetector":
+    def from_config(cls, switch, num_workers: int, mode: str = "sync", slow: Iterable[int] = ()) -> "StragglerDetector":
         """From a validated ``gba.switch`` block (:class:`gba_engine.config.SwitchConfig`)."""
         return cls(num_workers, slow_ratio=switch.slow_ratio, recover_ratio=switch.recover_ratio,
-                   window=switch.window, min_dwell_steps=switch.min_dwell_steps, mode=mode)
+                   window=switch.window, min_dwell_steps=switch.min_dwell_steps, mode=mode, slow=slow)
 
     def observe(self, times: Sequence[float]) -> Decision:
         """Add one step time per worker (nan or None: nothing new from that worker) and decide."""

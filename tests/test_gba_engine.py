@@ -89,6 +89,30 @@ def _phase(rank, mode, steps, tmp, stage=0, slow=(), die_after=None, save=None, 
     return out
 
 
+def _claims_phase(rank, mode, total, slow_s, **gba):
+    """Train on numbered batches from claim_batches; worker 0 returns every worker's numbers."""
+    import torch.distributed as dist
+
+    import gba_engine
+
+    engine = gba_engine.initialize(model=_model(), config=_config(mode, **gba))
+    if engine.is_server:
+        return {"server": engine.server_stats}
+    taken = []
+    for index in engine.claim_batches(total):
+        x, y = _batch(index, 0)
+        loss = F.mse_loss(engine(x), y)
+        time.sleep(0.01 + (slow_s if rank == 1 else 0.0))
+        engine.backward(loss)
+        engine.step()
+        taken.append(index)
+    everyone = [None, None]
+    dist.all_gather_object(everyone, taken, group=engine.worker_group)
+    out = {"taken": everyone, "batches_taken": engine.batches_taken, "mode": engine.mode}
+    engine.close()
+    return out
+
+
 def _launch(rank: int, world_size: int, tmp: str) -> dict:
     out = {"sync": _phase(rank, "sync", STEPS, tmp)}
     out["gba"] = _phase(rank, "gba", STEPS, tmp, max_lead=0, save="ck")
@@ -96,6 +120,9 @@ def _launch(rank: int, world_size: int, tmp: str) -> dict:
     out["auto"] = _phase(rank, "auto", AUTO_STEPS, tmp, stage=1, slow=SLOW, max_lead=0,
                          switch={"window": 2, "min_dwell_steps": 2, "slow_ratio": 1.5, "recover_ratio": 1.2})
     out["sync16"] = _phase(rank, "sync", AUTO_STEPS, tmp, stage=1)
+    out["claims_sync"] = _claims_phase(rank, "sync", 9, 0.0)
+    out["claims_async"] = _claims_phase(rank, "gba", 24, 0.08)
+    out["claims_lockstep"] = _claims_phase(rank, "gba", 11, 0.08, max_lead=0)
     try:
         import gba_engine
         gba_engine.initialize(model=_model(), config=_config("gba", num_servers=3))
@@ -143,6 +170,21 @@ def test_auto_switches_both_ways_without_a_loss_jump(launch):
     for (a, _), (b, _) in zip(auto["losses"], ref["losses"]):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b))
     torch.testing.assert_close(auto["params"], ref["params"], rtol=1e-4, atol=1e-5)
+
+
+def test_claimed_batches_sync_lockstep_and_async(launch):
+    w0 = launch["w0"]
+    sync = w0["claims_sync"]["taken"]
+    assert sync == [[0, 2, 4, 6], [1, 3, 5, 7]]  # lockstep k*N + w; the odd 9th batch is dropped (drop-last)
+    for name in ("claims_async", "claims_lockstep"):
+        got = w0[name]["taken"]
+        assert sorted(got[0] + got[1]) == list(range(24 if name == "claims_async" else 11)), (name, got)
+        assert w0[name]["mode"] == "gba"
+    fast, slow = w0["claims_async"]["taken"]
+    assert len(fast) > len(slow)  # worker 1 sleeps 8x longer per step: worker 0 takes more batches
+    # lockstep: a worker never runs ahead, so the counts differ by the one last batch at most
+    fast, slow = w0["claims_lockstep"]["taken"]
+    assert abs(len(fast) - len(slow)) <= 1
 
 
 def test_killed_worker_in_gba_mode_job_continues(launch):

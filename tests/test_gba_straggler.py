@@ -97,3 +97,18 @@ def test_missing_times_and_config_and_errors():
         det.observe([0.1, -1.0])
     det.force("gba")
     assert det.mode == "gba" and det.last_switch_step == det.step
+
+
+def test_a_straggler_carried_into_gba_stays_slow_while_it_reports_rarely():
+    # in gba mode the first worker reads times from the store; a slow worker has a fresh one every
+    # 12th step only. A fresh detector does not fill its window and calls everyone recovered (the benchmark's
+    # early switch back); carrying the slow set over keeps it flagged until its own times recover.
+    rows = [[0.1, 0.1, 0.1, 0.4 if i % 12 == 11 else math.nan] for i in range(40)]
+    fresh = _run(StragglerDetector(4, window=4, min_dwell_steps=10, mode="gba"), rows)
+    assert any(d.switched and d.mode == "sync" for d in fresh)
+    carried = _run(StragglerDetector(4, window=4, min_dwell_steps=10, mode="gba", slow={3}), rows)
+    assert all(d.mode == "gba" and d.slow == {3} for d in carried)
+    back = _run(StragglerDetector(4, window=4, min_dwell_steps=10, mode="gba", slow={3}), rows + [[0.1] * 4] * 12)
+    assert back[-1].mode == "sync" and not back[-1].slow
+    with pytest.raises(ValueError, match="slow workers"):
+        StragglerDetector(2, slow={5})

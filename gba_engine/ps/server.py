@@ -164,6 +164,7 @@ class ParameterServer:
         self._drained = 0
         self._stalls = 0
         self._finished = False
+        self.data_ended = False  # after end_of_data(): pulls no longer wait for a min_version
         logger.info("PS %d (rank %d): dense [%d, %d), tables %s, M=%d", self.index, runtime.rank, start, end,
                     {s.name: s.local_rows(self.index, self.num_servers) for s in self.specs}, m)
 
@@ -343,10 +344,23 @@ class ParameterServer:
             out.append(local_index(ids, self.num_servers))
         return tuple(out)
 
+    def end_of_data(self) -> None:
+        """The training data ran out: answer waiting and future pulls at once, whatever their min_version.
+
+        Under a bounded lead a worker's pull waits for pushes of the others; once they have no
+        batches left those pushes never come, so the last pulls must not wait for them.
+
+        Example::
+
+            ps.end_of_data()      # called by the owner's tick when a worker reports the data exhausted
+        """
+        self.data_ended = True
+        self._answer_deferred()
+
     def _on_pull(self, src: int, header: Header, ints: Tensor) -> None:
         pull = _PendingPull(src=src, seq=header.seq, min_version=header.min_version,
                             want_dense=bool(header.flags & FLAG_DENSE), rows=self._rows_of(ints))
-        if self._finished or pull.min_version <= self.version:
+        if self._finished or self.data_ended or pull.min_version <= self.version:
             self._reply(pull)
         else:
             self._deferred.append(pull)
@@ -408,7 +422,7 @@ class ParameterServer:
     def _answer_deferred(self) -> None:
         ready, waiting = [], []
         for p in self._deferred:
-            (ready if self._finished or p.min_version <= self.version else waiting).append(p)
+            (ready if self._finished or self.data_ended or p.min_version <= self.version else waiting).append(p)
         self._deferred = waiting
         for pull in ready:
             self._reply(pull)
