@@ -25,8 +25,9 @@ loop is therefore::
         engine.step()
     engine.close()                            # also called at exit
 
-Gradient clipping and learning-rate schedulers are not applied on the servers yet:
-``initialize`` rejects a scheduler in gba/auto mode and warns about clipping.
+The config's learning-rate scheduler runs on the servers too, as a function of the version
+(``ps/schedule.py``: DeepSpeed's own classes), so sync, gba and auto follow one curve.
+Gradient clipping is not applied on the servers: ``initialize`` rejects it in gba/auto mode.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from .config import GBAConfig
 from .observe import Observer
 from .ps import OptimizerSpec, ParameterServer, PSClient, PSRuntime, init_runtime, layout
 from .ps.runtime import Liveness
+from .ps.schedule import ServerLRSchedule
 from .ps.sharding import DenseSharding
 from .straggler import StragglerDetector
 from .switch import (TrainState, moment_names, recv_state, send_state, state_from_deepspeed, state_from_server,
@@ -135,8 +137,10 @@ def _check(ds: dict, gba: GBAConfig, world: int, source: str) -> OptimizerSpec:
     except ValueError as exc:
         raise ValueError(f"{source}: optimizer: {exc}") from None
     if gba.mode != "sync" and "scheduler" in ds:
-        raise ValueError(f"{source}: gba.mode={gba.mode!r} with a \"scheduler\" block: the parameter servers do not "
-                         "run learning-rate schedules yet; use a constant learning rate or mode \"sync\"")
+        try:
+            _schedule(ds, spec)
+        except ValueError as exc:
+            raise ValueError(f"{source}: scheduler: {exc}") from None
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if gba.mode != "sync" and stage > 1:
         raise ValueError(f"{source}: gba.mode={gba.mode!r} supports zero_optimization.stage 0 or 1, got {stage} "
@@ -150,6 +154,13 @@ def _check(ds: dict, gba: GBAConfig, world: int, source: str) -> OptimizerSpec:
     if gba.mode != "sync":
         ds["gradient_clipping"] = 0.0  # DeepSpeed 0.19.8 clips at 1.0 by default; the servers never clip
     return spec
+
+
+def _schedule(ds: dict, spec: OptimizerSpec) -> ServerLRSchedule | None:
+    """The servers' copy of the config's learning-rate schedule (None without a scheduler block)."""
+    if "scheduler" not in ds:
+        return None
+    return ServerLRSchedule(ds["scheduler"], base_lr=float(spec.kwargs.get("lr", 1e-3)))
 
 
 def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any],
@@ -177,7 +188,7 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
     gas = int(ds.get("gradient_accumulation_steps", 1))
     if rt.is_server:
-        loop = _ServerLoop(rt, gba, spec, flat0)
+        loop = _ServerLoop(rt, gba, spec, flat0, _schedule(ds, spec))
         stats = loop.run()
         rt.close()
         return GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model, micro=micro, gas=gas,
@@ -193,8 +204,9 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
 class _ServerLoop:
     """Runs on a server rank: executes the first worker's commands (put/get state, serve, save, load)."""
 
-    def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, flat0: torch.Tensor) -> None:
-        self.rt, self.gba, self.spec = rt, gba, spec
+    def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, flat0: torch.Tensor,
+                 schedule: ServerLRSchedule | None) -> None:
+        self.rt, self.gba, self.spec, self.schedule = rt, gba, spec, schedule
         self.index = rt.layout.server_index(rt.rank)
         self.numel = flat0.numel()
         start, end = DenseSharding(self.numel, rt.layout.num_servers).bounds[self.index]
@@ -273,7 +285,7 @@ class _ServerLoop:
         start, end = DenseSharding(self.numel, self.rt.layout.num_servers).bounds[self.index]
         full[start:end] = self.state.params
         ps = ParameterServer(self.rt, self.gba, self.numel, [], self.spec, grads_per_update=m, dense_init=full,
-                             on_tick=self.tick)
+                             on_tick=self.tick, lr_schedule=self.schedule)
         state_into_server(ps, self.state)
         stats = ps.serve(until_version=None)
         self.state = state_from_server(ps)
@@ -525,6 +537,7 @@ class GBAEngine:
         parts = flat.split(n)
         st = TrainState(parts[0], {k: parts[1 + i] for i, k in enumerate(names)}, step, version)
         state_into_deepspeed(self.ds_engine, st, self.spec)
+        self._position_scheduler(version)
         for p in self.module.parameters():
             p.grad = None
         if self._claims is not None:  # the sync phase starts after every number anybody took in gba
@@ -534,6 +547,12 @@ class GBAEngine:
         self.version, self.truth, self.mode = version, "workers", "sync"
         self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="sync")
         self._switched("gba", "sync", t0, st.nbytes, reason)
+
+    def _position_scheduler(self, version: int) -> None:
+        # DeepSpeed's next optimizer step is update `version`: its scheduler must sit at iteration version - 1
+        sched = self.ds_engine.lr_scheduler
+        if sched is not None and version > 0:
+            sched.step(version - 1)
 
     def _switched(self, src: str, dst: str, t0: float, nbytes: int, reason: str) -> None:
         self.mode = dst
@@ -669,6 +688,7 @@ class GBAEngine:
             raw = torch.load(folder / "gba_worker_state.pt", weights_only=True)
             st = TrainState(raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]))
             state_into_deepspeed(self.ds_engine, st, self.spec)
+            self._position_scheduler(st.version)
             self.version, self.truth = st.version, "workers"
             return str(folder), torch.load(folder / "client_state.pt", weights_only=False)
         if self.rt.rank == self.workers[0]:

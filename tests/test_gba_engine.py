@@ -34,8 +34,14 @@ def _batch(step: int, worker: int):
     return x, (x[:, :1] * 0.7 - x[:, 1:2] * 0.3)
 
 
-def _config(mode: str, stage: int = 0, **gba) -> dict:
-    return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+WARMUP_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05,
+                                                    "warmup_num_steps": 3, "total_num_steps": STEPS + 2,
+                                                    "warmup_type": "linear"}}
+
+
+def _config(mode: str, stage: int = 0, scheduler: dict | None = None, **gba) -> dict:
+    extra = {"scheduler": scheduler} if scheduler else {}
+    return {**extra, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.0, "torch_adam": True}},
             "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
             "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the servers never clip
@@ -56,11 +62,11 @@ def _train(engine, steps: int, rank: int, slow=(), die_after=None) -> list:
     return losses
 
 
-def _phase(rank, mode, steps, tmp, stage=0, slow=(), die_after=None, save=None, load=None, **gba):
+def _phase(rank, mode, steps, tmp, stage=0, slow=(), die_after=None, save=None, load=None, scheduler=None, **gba):
     import gba_engine
 
     t0 = time.monotonic()
-    engine = gba_engine.initialize(model=_model(), config=_config(mode, stage, **gba))
+    engine = gba_engine.initialize(model=_model(), config=_config(mode, stage, scheduler, **gba))
     if engine.is_server:
         return {"server": engine.server_stats, "wall_s": time.monotonic() - t0}
     out = {}
@@ -120,6 +126,8 @@ def _launch(rank: int, world_size: int, tmp: str) -> dict:
     out["auto"] = _phase(rank, "auto", AUTO_STEPS, tmp, stage=1, slow=SLOW, max_lead=0,
                          switch={"window": 2, "min_dwell_steps": 2, "slow_ratio": 1.5, "recover_ratio": 1.2})
     out["sync16"] = _phase(rank, "sync", AUTO_STEPS, tmp, stage=1)
+    out["sched_sync"] = _phase(rank, "sync", STEPS, tmp, scheduler=WARMUP_DECAY)
+    out["sched_gba"] = _phase(rank, "gba", STEPS, tmp, scheduler=WARMUP_DECAY, max_lead=0)
     out["claims_sync"] = _claims_phase(rank, "sync", 9, 0.0)
     out["claims_async"] = _claims_phase(rank, "gba", 24, 0.08)
     out["claims_lockstep"] = _claims_phase(rank, "gba", 11, 0.08, max_lead=0)
@@ -145,6 +153,13 @@ def test_tuning_free_gba_lockstep_equals_sync(launch):
     torch.testing.assert_close(gba["params"], sync["params"], rtol=1e-5, atol=1e-6)
     assert [round(a, 5) for a, _ in gba["losses"]] == [round(a, 5) for a, _ in sync["losses"]]
     assert launch["server"]["gba"]["server"]["staleness"] == {"0": 2 * STEPS}
+
+
+def test_learning_rate_schedule_runs_on_the_servers_like_deepspeed(launch):
+    sync, gba = launch["w0"]["sched_sync"], launch["w0"]["sched_gba"]
+    torch.testing.assert_close(gba["params"], sync["params"], rtol=1e-5, atol=1e-6)
+    # and the schedule mattered: a constant learning rate ends elsewhere
+    assert not torch.allclose(sync["params"], launch["w0"]["sync"]["params"], atol=1e-4)
 
 
 def test_server_checkpoint_restores_exactly(launch):
@@ -202,7 +217,8 @@ def test_bad_config_is_a_clear_error_on_every_rank(launch):
 
 @pytest.mark.parametrize("mode,ds,gba,match", [
     ("auto", {}, {"num_servers": 3}, "gba.num_servers=3 leaves no worker in a launch of 3 ranks"),
-    ("auto", {"scheduler": {"type": "WarmupLR"}}, {}, "do not run learning-rate schedules"),
+    ("auto", {"scheduler": {"type": "OneCycle", "params": {}}}, {}, "cannot run on the parameter servers"),
+    ("gba", {"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}}, {}, "scheduler 'WarmupLR'"),
     ("gba", {"zero_optimization": {"stage": 2}}, {}, "stage 0 or 1, got 2"),
     ("gba", {"bf16": {"enabled": True}}, {}, "needs fp32 training"),
     ("auto", {"gradient_clipping": 1.0}, {}, "servers apply the optimizer unclipped"),

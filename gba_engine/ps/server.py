@@ -44,6 +44,7 @@ from ..decay import StalenessDecay
 from ..tokens import GlobalBatchBuffer, TokenControl
 from .optim import OptimizerSpec, RowOptimizer
 from .runtime import Liveness, PSConnectionError, PSRuntime, version_key
+from .schedule import ServerLRSchedule
 from .sharding import DenseSharding, EmbeddingSpec, local_index
 from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_STALLED, Header, Kind, Outgoing, ProtocolError, pack_floats,
                    recv_message, schema_id, send_message, unpack_floats, unpack_ints)
@@ -124,6 +125,7 @@ class ParameterServer:
         dense_init: Tensor | None = None,
         table_init: Mapping[str, Tensor] | None = None,
         on_tick: Callable[["ParameterServer"], None] | None = None,
+        lr_schedule: ServerLRSchedule | None = None,
     ) -> None:
         if not runtime.is_server:
             raise ValueError(f"rank {runtime.rank} is a worker; ParameterServer runs on {runtime.layout.servers}")
@@ -135,6 +137,7 @@ class ParameterServer:
             raise ValueError(f"table_init names {sorted(unknown)} are not among the tables {names}")
         self.rt = runtime
         self.optimizer_spec = optimizer_spec
+        self._lr_schedule = lr_schedule  # DeepSpeed's scheduler as a function of the version (None: constant lr)
         self._on_tick = on_tick  # called every heartbeat_s of serve(), idle or busy (control-plane work of an owner)
         self.index = runtime.layout.server_index(runtime.rank)
         self.num_servers = runtime.layout.num_servers
@@ -404,6 +407,12 @@ class ParameterServer:
     def _apply(self) -> None:
         batch = self._buffer.mean()
         self._buffer.clear()
+        if self._lr_schedule is not None:  # update number `version` runs at DeepSpeed's lr of that step
+            lr = self._lr_schedule.lr(self.version)
+            for group in self._dense_opt.param_groups if self._dense_opt is not None else ():
+                group["lr"] = lr
+            for table in self._tables.values():
+                table.lr = lr
         if self._dense_opt is not None:
             self._dense.grad = batch.dense
             self._dense_opt.step()
