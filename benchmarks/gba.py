@@ -17,11 +17,10 @@ Scenarios: ``none``; ``slow`` (``--straggler 3:4``: worker 3 four times slower t
 ``transient`` (several ``--straggler RANK:4:START-END`` windows on ranks and steps drawn from a
 seeded RNG; the same windows for every method of a seed).
 
-Each worker trains the same number of local steps (train_rec's loop), so every method sees the
-same samples. Throughput is reported two ways: ``samples/s`` = sum over workers of that worker's
-own rate (its samples / its training wall time: what fast workers sustain while training,
-the paper's measure, where fast workers would keep taking batches), and ``job samples/s`` =
-all samples / the slowest worker's training time (the wall clock of this fixed-quota harness).
+Every method trains the same ``--steps`` x 4 numbered batches (train_rec hands them out through
+the engine's ``claim_batches``: lockstep in sync mode, first come first served in gba mode, so a
+fast worker takes more than a slow one, as in the paper). ``samples/s`` = the job's samples / the
+slowest worker's training time (the job's wall clock); the per-worker steps show who took what.
 
 Test AUC: every run writes its final parameters (train_rec's end-of-run checkpoint); this
 script then evaluates all of a seed's runs on one large held-out set of the same synthetic task
@@ -76,6 +75,7 @@ def _rank_many(rank: int, world_size: int, jobs: list) -> list:
             done.append({"server": True})
             continue
         r = {"rank": rank, "steps": s["steps"], "train_time_s": s["train_time_s"], "wall_s": time.perf_counter() - t0,
+             "local_samples": s["local_samples"], "job_samples": s["samples"], "job_samples_per_s": s["samples_per_s"],
              "checkpoint": s["checkpoint"], "gba": s.get("gba")}
         (Path(args.out) / f"worker{rank}.json").write_text(json.dumps(r))
         if rank == 0:
@@ -117,9 +117,7 @@ def stragglers(scenario: str, seed: int, steps: int, windows: int) -> list[str]:
         return []
     if scenario == "slow":
         return ["3:4"]
-    # non-overlapping windows (one slow worker at a time): train_rec's sleep is (FACTOR-1) x the rank's last
-    # measured forward+backward, which in sync mode includes its all-reduce wait for another slow rank, so
-    # overlapping windows on two ranks feed each other and the delays grow geometrically
+    # one slow worker at a time, at job-wide steps (train_rec reads windows against the job's batch numbers)
     rng = random.Random(1000 + seed)
     seg = steps // windows
     out = []
@@ -145,11 +143,10 @@ def job_argv(out: Path, seed: int, method: str, straggle: list[str], a: argparse
 def collect(out: Path, a: argparse.Namespace) -> dict:
     """One job's numbers from the files its workers wrote."""
     workers = [json.loads((out / f"worker{r}.json").read_text()) for r in range(WORKERS)]
-    b = a.micro_batch
-    own = [w["steps"] * b / w["train_time_s"] for w in workers]
-    total = sum(w["steps"] * b for w in workers)
-    return {"samples_per_s": sum(own), "job_samples_per_s": total / max(w["train_time_s"] for w in workers),
-            "worker_samples_per_s": own, "train_time_s": [w["train_time_s"] for w in workers],
+    own = [w["local_samples"] / w["train_time_s"] for w in workers]
+    return {"samples_per_s": workers[0]["job_samples_per_s"], "job_samples": workers[0]["job_samples"],
+            "worker_steps": [w["steps"] for w in workers], "worker_samples_per_s": own,
+            "train_time_s": [w["train_time_s"] for w in workers],
             "checkpoint": workers[0]["checkpoint"], "gba": workers[0]["gba"]}
 
 
@@ -212,7 +209,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=50)
     p.add_argument("--ssp-lead", type=int, default=3, help="max_lead of the ssp row")
     p.add_argument("--windows", type=int, default=4, help="straggler windows in the transient scenario")
-    p.add_argument("--test-samples", type=int, default=1_000_000)
+    p.add_argument("--test-samples", type=int, default=2_000_000)
     p.add_argument("--run-timeout-s", type=float, default=3000)
     p.add_argument("--auto", action="store_true", help="also run the auto-mode job with a straggler window")
     p.add_argument("--auto-only", action="store_true")
@@ -222,15 +219,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _table(rows: list[dict], a: argparse.Namespace) -> str:
-    lines = ["| scenario | method | samples/s | job samples/s | test AUC | vs sync AUC | seeds |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| scenario | method | samples/s | vs sync | steps per worker (seed 1) | test AUC | vs sync AUC | seeds |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
     by = {}
     for r in rows:
         by.setdefault((r["scenario"], r["method"]), []).append(r)
     for sc in a.scenarios:
-        sync_auc = None
+        sync_auc = sync_rate = None
         if (sc, "sync") in by:
             sync_auc = sum(r["auc"] for r in by[(sc, "sync")]) / len(by[(sc, "sync")])
+            sync_rate = sum(r["samples_per_s"] for r in by[(sc, "sync")]) / len(by[(sc, "sync")])
         for m in a.methods:
             rs = by.get((sc, m))
             if not rs:
@@ -238,8 +236,10 @@ def _table(rows: list[dict], a: argparse.Namespace) -> str:
             mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
             auc_m = mean("auc")
             diff = f"{auc_m - sync_auc:+.4f}" if sync_auc is not None else ""
-            lines.append(f"| {sc} | {m} | {mean('samples_per_s'):,.0f} | {mean('job_samples_per_s'):,.0f} | "
-                         f"{auc_m:.4f} | {diff} | {len(rs)} |")
+            speed = f"{mean('samples_per_s') / sync_rate:.2f}x" if sync_rate else ""
+            steps = min(rs, key=lambda r: r["seed"])["worker_steps"]
+            lines.append(f"| {sc} | {m} | {mean('samples_per_s'):,.0f} | {speed} | {steps} | {auc_m:.4f} | {diff} | "
+                         f"{len(rs)} |")
     return "\n".join(lines)
 
 
@@ -295,7 +295,7 @@ def main(argv=None) -> None:
             continue
         done.append(r)
         print(f"seed {r['seed']} {r['scenario']:9s} {r['method']:5s} samples/s {r['samples_per_s']:7.0f} "
-              f"job {r['job_samples_per_s']:7.0f}", flush=True)
+              f"steps {r['worker_steps']}", flush=True)
     results_path.write_text(json.dumps(done, indent=1))
     if done:
         # evaluate every run of a seed on that seed's large test set

@@ -60,8 +60,9 @@ class BatchClaims:
     def taken(self) -> int:
         """Batches handed out job-wide so far (the resume point), as this worker sees it."""
         if self.mode == "sync":
-            return self.base + self._k * self.num_workers
-        return self.base + self.store.add(counter_key(self.phase), 0)  # add 0 reads without blocking
+            return min(self.total, self.base + self._k * self.num_workers)
+        # add 0 reads without blocking; the counter also counts the claims that found nothing left
+        return min(self.total, self.base + self.store.add(counter_key(self.phase), 0))
 
     def next(self) -> int | None:
         """The next batch number, or None when this phase has run out of batches."""

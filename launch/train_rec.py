@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -37,9 +38,12 @@ from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
 from picasso_ops.distributed import engine_step  # noqa: E402
 from picasso_ops.embedding.sparse_optim import OPTIMIZERS  # noqa: E402
 from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep  # noqa: E402
+from picasso_ops.block import (PicassoBlockError, apply_picasso_block, flush_caches, monitor_events,  # noqa: E402
+                                picasso_summary)
 from sparse_scale.config import load_config  # noqa: E402
 
 logger = logging.getLogger("train_rec")
+CALIBRATION_STEPS = 3  # undelayed micro-steps whose median forward+backward a --straggler factor scales
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
     p.add_argument("--straggler", action="append", default=[], type=parse_straggler, metavar="RANK:FACTOR[:START-END]",
-                   help="slow RANK by FACTOR (sleeping (FACTOR-1) x its measured compute before backward), "
-                        "optionally only for optimizer steps START <= step < END; repeatable (demos, benchmarks)")
+                   help="slow RANK by FACTOR (sleeping (FACTOR-1) x its forward+backward time, the median of its "
+                        "first 3 micro-steps, before each backward), optionally only for optimizer steps "
+                        "START <= step < END (with a gba block: job-wide steps); repeatable (demos, benchmarks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p.parse_args(argv)
 
@@ -80,7 +85,7 @@ class Straggler:
     end: int | None = None  # exclusive; None: until the end
 
     def delay_s(self, rank: int, step: int, compute_s: float) -> float:
-        """Seconds to sleep on ``rank`` at optimizer step ``step`` after ``compute_s`` of compute."""
+        """Seconds to sleep on ``rank`` at optimizer step ``step`` for a step of ``compute_s`` compute."""
         if rank != self.rank or step < self.start or (self.end is not None and step >= self.end):
             return 0.0
         return (self.factor - 1.0) * compute_s
@@ -109,6 +114,38 @@ def parse_straggler(text: str) -> Straggler:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--straggler {text!r}: {exc}") from None
     return Straggler(rank, factor, start, end)
+
+
+class ClaimedBatches:
+    """Micro-batches of the batch numbers a GBAEngine hands this worker (fast workers take more).
+
+    Batch number ``i`` is the synthetic stream's global micro-batches ``i*gas .. i*gas+gas-1``
+    (with gas 1 a sync run reads exactly the per-rank streams' batches). ``index`` is the number
+    being trained; ``taken`` the job-wide resume point.
+
+    Example::
+
+        for batch in ClaimedBatches(engine, cfg, micro_batch=256, gas=1, total=1000):
+            ...
+    """
+
+    def __init__(self, engine: Any, config: SyntheticConfig, micro_batch: int, gas: int, total: int,
+                 start: int = 0) -> None:
+        from picasso_ops.data.synthetic import SyntheticCTRGenerator
+
+        self.engine, self.micro_batch, self.gas, self.total, self.start = engine, micro_batch, gas, total, start
+        self.generator = SyntheticCTRGenerator.for_config(config)
+        self.index = -1
+
+    def __iter__(self) -> Iterator[CTRBatch]:
+        for index in self.engine.claim_batches(self.total, start=self.start):
+            self.index = index
+            for j in range(self.gas):
+                yield self.generator.batch(self.micro_batch, index * self.gas + j, "train")
+
+    def state(self) -> dict[str, int]:
+        """The resume point: every batch number below it was handed out."""
+        return {"batches_taken": self.engine.batches_taken}
 
 
 @dataclasses.dataclass
@@ -146,6 +183,14 @@ class RecJob:
             if "picasso" in self.job.blocks:
                 raise SystemExit(f"{args.config}: the gba and picasso blocks cannot be combined yet (the parameter "
                                  "servers hold the dense parameters; packed tables update on the workers)")
+            if self.gba.mode != "sync" and args.eval_every:
+                raise SystemExit(f"{args.config}: --eval-every with gba.mode={self.gba.mode!r}: workers run at their "
+                                 "own pace in gba mode and evaluation is a collective over them; evaluate at the end "
+                                 "(or score the --save-every checkpoints)")
+            if self.gba.mode != "sync" and args.data != "synthetic":
+                raise SystemExit(f"{args.config}: gba.mode={self.gba.mode!r} with --data {args.data}: gba and auto "
+                                 "modes hand batches out by number so that fast workers take more, which only the "
+                                 "synthetic stream supports yet; use gba.mode \"sync\" for file data")
             # the last num_servers ranks are parameter servers: data is split over the workers only
             self.world_size = max(1, world_size - self.gba.num_servers)
         self.ds = _with_schedule_length(self.job.ds, args.steps)
@@ -165,8 +210,17 @@ class RecJob:
         self.model_args = WideAndDeepArgs(vocab_sizes=self.vocab_sizes, num_dense=self.num_dense,
                                           embedding_dim=args.embedding_dim)
 
-    def train_stream(self, progress: "Progress", data_states: list[dict] | None):
+    @property
+    def claims_batches(self) -> bool:
+        """Whether batches are handed out by number through the GBA engine (gba block, synthetic data)."""
+        return self.gba is not None and self.data_cfg is not None
+
+    def train_stream(self, progress: "Progress", data_states: list[dict] | None, engine: Any = None):
         """This rank's training stream, positioned after what ``progress`` says was consumed."""
+        if self.claims_batches:
+            start = int(data_states[0]["batches_taken"]) if data_states else 0
+            return ClaimedBatches(engine, self.data_cfg, self.micro_batch, self.grad_accum,
+                                  total=self.args.steps * self.world_size, start=start)
         if self.data_cfg is not None:
             return SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
                                       split="train", start_batch=progress.micro_batches * self.world_size)
@@ -219,8 +273,17 @@ def _global_batch(batch: CTRBatch | None, finite: bool, micro_batch: int, group:
     return int(have_and_size[1]) if int(have_and_size[0]) == world else 0
 
 
+def _log_cache_stats(engine) -> None:
+    """The picasso cache's hit rate and counters so far to the monitor (nothing without a cache)."""
+    events = monitor_events(engine.module, int(getattr(engine, "global_samples", 0)))
+    if events and getattr(engine, "monitor", None) is not None:
+        engine.monitor.write_events(events)
+
+
 def evaluate(engine, job: RecJob) -> dict[str, float]:
     """Exact AUC and log loss over the whole held-out set, gathered from every rank."""
+    flush_caches(engine.module)  # picasso cache: the stores hold every trained row before scoring
+    _log_cache_stats(engine)
     engine.eval()
     scores, labels, teacher = [], [], []
     with torch.no_grad():
@@ -240,11 +303,41 @@ def evaluate(engine, job: RecJob) -> dict[str, float]:
     return out
 
 
+def _save_due(every: int, progress: Progress, stream, taken_before: int, mode_before: str | None, engine,
+              job: RecJob) -> bool:
+    """Whether this step ends a ``--save-every`` period; with claimed batches every worker must agree when sync."""
+    if not isinstance(stream, ClaimedBatches):
+        return progress.step % every == 0
+    if mode_before == "gba" and engine.mode == "sync":
+        return False  # just back from gba: the workers' counts before this step differ, the next period will save
+    period = every * job.world_size
+    return stream.state()["batches_taken"] // period > taken_before // period
+
+
+def _job_totals(samples: int, seconds: float, group: Any) -> tuple[int, float]:
+    """Samples summed over the workers and the longest training time among them."""
+    t = torch.tensor([float(samples)], dtype=torch.float64)
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item()), float(slowest.item())
+
+
+def _tag(progress: Progress, stream) -> str:
+    # claimed batches: the job-wide count, the same on every worker whenever a save is collective (sync)
+    return f"batch{stream.state()['batches_taken']}" if isinstance(stream, ClaimedBatches) else f"step{progress.step}"
+
+
 def _save(engine, ckpt_dir: Path, progress: Progress, stream) -> str:
-    tag = f"step{progress.step}"
+    tag = _tag(progress, stream)
     group = getattr(engine, "worker_group", None)  # gba: the parameter servers take no part
-    states = [None] * dist.get_world_size(group)
-    dist.all_gather_object(states, stream.state(), group=group)  # DeepSpeed writes client_state from rank 0 only
+    if isinstance(stream, ClaimedBatches):
+        states = [stream.state()]  # one job-wide resume point; no collective (gba-mode saves are the first worker's)
+    else:
+        states = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, stream.state(), group=group)  # DeepSpeed writes client_state from rank 0 only
+    flush_caches(engine.module)  # picasso cache: dirty rows go to the stores the checkpoint is read from
     engine.save_checkpoint(str(ckpt_dir), tag=tag,
                            client_state={"progress": dataclasses.asdict(progress), "data_states": states})
     return str(ckpt_dir / tag)
@@ -269,7 +362,9 @@ def build_model(job: RecJob) -> torch.nn.Module:
     Without a ``picasso`` block: wide-and-deep over one ``nn.EmbeddingBag`` per
     field. With it: the same model over packed tables (packing, embedding_dim
     and the fused sparse optimizer from the block), whose update runs in
-    ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step).
+    ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step),
+    served through a hot-row cache with a ``cache`` block and run as interleaved
+    micro-batches with ``interleave.micro_batches > 1`` (see picasso_ops.block).
     """
     block = job.job.blocks.get("picasso")
     if block is None:
@@ -279,7 +374,12 @@ def build_model(job: RecJob) -> torch.nn.Module:
     if job.rank == 0:
         logger.info("picasso model: packing=%s dim=%d sparse optimizer %s %s, %s tables", block.packing,
                     block.embedding_dim, sparse.optimizer, dict(sparse.optimizer_params), sparse.sharding)
-    return packed_wide_and_deep(args, sparse)
+    model = packed_wide_and_deep(args, sparse)
+    try:
+        # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
+        return apply_picasso_block(model, block, workdir=Path(job.args.out), rank=job.rank)
+    except PicassoBlockError as exc:
+        raise SystemExit(f"{job.args.config}: {exc}") from None
 
 
 def build_engine(job: RecJob, model: torch.nn.Module):
@@ -328,35 +428,46 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     bar = tqdm(total=args.steps, initial=progress.step, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=1.0)
-    stream = job.train_stream(progress, data_states)
+    stream = job.train_stream(progress, data_states, engine)
+    claimed = isinstance(stream, ClaimedBatches)  # gba block: the job's total is shared, fast workers take more
     batches, finite = iter(stream), job.data_cfg is None
     train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
     running = torch.zeros(2)
     exhausted = False
-    compute_s = 0.0  # forward + backward of the last micro-step: the base a --straggler factor multiplies
-    while progress.step < args.steps and not exhausted:
+    # forward+backward of this rank's first micro-steps, when nobody is slowed yet: the time a --straggler factor
+    # scales, fixed for the run (a live step time would include all-reduce waits for another slow rank)
+    calibration: list[float] = []
+    while (claimed or progress.step < args.steps) and not exhausted:
         t0, step_samples = time.perf_counter(), 0
+        taken_before, mode_before = (stream.state()["batches_taken"], engine.mode) if claimed else (0, None)
         for _ in range(job.grad_accum):
             batch = next(batches, None)
-            global_batch = _global_batch(batch, finite, job.micro_batch, group)
+            if claimed:  # no collective per micro-step: the engine says when the shared total is used up
+                global_batch = 0 if batch is None else job.micro_batch
+            else:
+                global_batch = _global_batch(batch, finite, job.micro_batch, group)
             if global_batch == 0:
                 exhausted = True  # a partial accumulation window is dropped, like drop_last
                 break
             tc = time.perf_counter()
             loss = loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels)
             fwd_s = time.perf_counter() - tc
-            delay = sum(s.delay_s(rank, progress.step, compute_s or 3 * fwd_s) for s in stragglers)
-            if delay:
-                time.sleep(delay)  # before backward: the engine counts it as this worker's own compute
+            job_step = stream.index // job.world_size if claimed else progress.step  # windows are job-wide with gba
+            if len(calibration) >= CALIBRATION_STEPS:
+                base = statistics.median(calibration)
+                delay = sum(s.delay_s(rank, job_step, base) for s in stragglers)
+                if delay:
+                    time.sleep(delay)  # before backward: the engine counts it as this worker's own compute
             tb = time.perf_counter()
             engine.backward(loss)
-            compute_s = fwd_s + time.perf_counter() - tb
+            if stragglers and len(calibration) < CALIBRATION_STEPS:
+                calibration.append(fwd_s + time.perf_counter() - tb)
             if job.gba is not None:
                 engine.step()  # no packed tables with gba (RecJob rejects the picasso block)
             else:
                 engine_step(engine)  # engine.step() + the packed tables' sparse step at the accumulation boundary
             progress.micro_batches += 1
-            step_samples += global_batch
+            step_samples += global_batch  # claimed: this worker's samples (the job's are summed at the end)
             running += torch.tensor([loss.item(), 1.0])
         if exhausted:
             break
@@ -376,29 +487,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             metrics = evaluate(engine, job)
             history.append({"step": progress.step, **metrics})
             engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
-        if args.save_every and progress.step % args.save_every == 0:
+        if args.save_every and _save_due(args.save_every, progress, stream, taken_before, mode_before, engine, job):
             last_ckpt = _save(engine, ckpt_dir, progress, stream)
     bar.close()
-    if exhausted and rank == 0:
+    if exhausted and rank == 0 and not claimed:
         print(f"training data ran out after {progress.step} steps ({progress.samples:,} samples)")
 
     metrics = evaluate(engine, job)
     engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
-    if last_ckpt is None or not last_ckpt.endswith(f"step{progress.step}"):
+    if last_ckpt is None or Path(last_ckpt).name != _tag(progress, stream):
         last_ckpt = _save(engine, ckpt_dir, progress, stream)
+    samples, rate = progress.samples, samples_this_run / max(train_time, 1e-9)
+    if claimed:  # workers trained different shares: the job's samples over the slowest worker's time
+        samples, slowest = _job_totals(samples_this_run, train_time, group)
+        rate = samples / max(slowest, 1e-9)
     summary = {
         "world_size": world,
         "launcher": ctx.launcher,
         "steps": progress.step,
-        "samples": progress.samples,
-        "samples_per_s": samples_this_run / max(train_time, 1e-9),
+        "samples": samples,
+        "samples_per_s": rate,
         "train_time_s": train_time,
+        "local_samples": samples_this_run,
         **metrics,
         "checkpoint": last_ckpt,
         "wandb_mode": wandb_mode,
         "wandb_dir": wandb_dir(rank),
         "eval_history": history,
     }
+    if "picasso" in job.job.blocks:
+        summary["picasso"] = picasso_summary(engine.module)  # cache hit rate (training lookups), micro-batches
     if job.gba is not None:
         summary["gba"] = engine.summary()  # mode, switches and their cost, staleness, per-worker samples/s
         engine.close()  # the parameter servers stop once every worker closed
@@ -412,6 +530,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 
+def _gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Summary-table rows of a GBA job: mode, switches and their cost, staleness, per-worker samples/s."""
+    if not g:
+        return []
+    rows = [("gba mode (end) / steps per mode", f"{g['mode']} / {g['steps_per_mode']}"),
+            ("gba switches", f"{len(g['switches'])} ({g['switch_seconds']:.3f} s, {g['switch_bytes'] / 1e6:.2f} MB)")]
+    rows += [(f"  step {e['step']}", f"{e['src']} -> {e['dst']}: {e['reason']}") for e in g["switches"]]
+    if g["staleness_histogram"]:
+        rows.append(("gba staleness (tau: grads)", ", ".join(f"{t}: {n}" for t, n in g["staleness_histogram"].items())))
+    if g["gradients"]:
+        rows.append(("gba gradients", ", ".join(f"{k} {v}" for k, v in g["gradients"].items())))
+    rows.append(("samples/s per worker", ", ".join(f"{float(v):,.0f}" for v in g["samples_per_s"].values())))
+    return rows
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     rows = [
         ("ranks", f"{s['world_size']} ({s['launcher']})"),
@@ -423,6 +556,9 @@ def _print_summary(s: dict[str, Any]) -> None:
     if "bayes_auc" in s:
         rows.append(("best reachable AUC", f"{s['bayes_auc']:.4f}  (planted teacher; gap {s['bayes_auc'] - s['auc']:.4f})"))
     rows.append(("log loss", f"{s['log_loss']:.4f}" + (f"  (teacher {s['bayes_log_loss']:.4f})" if "bayes_log_loss" in s else "")))
+    if "cache_hit_rate" in s.get("picasso", {}):
+        rows.append(("picasso cache hit rate", f"{s['picasso']['cache_hit_rate']:.4f}"))
+    rows += _gba_rows(s.get("gba"))
     rows += [("checkpoint", s["checkpoint"]), ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})")]
     print_table(rows)
 

@@ -18,7 +18,7 @@ def test_sync_phase_is_lockstep_with_drop_last(store):
         c.enter_sync(base=1)
     got = [[c.next() for _ in range(4)] for c in claims]
     assert got == [[1, 4, 7, None], [2, 5, 8, None], [3, 6, 9, None]]  # 10 - 1 = 9 batches: three whole steps
-    assert claims[0].taken == 10 and claims[0].next_free == 8
+    assert claims[0].taken == 10 and claims[0].next_free == 8  # capped at total
 
 
 def test_gba_phase_shares_one_counter_and_resumes_from_taken(store):
@@ -27,7 +27,7 @@ def test_gba_phase_shares_one_counter_and_resumes_from_taken(store):
     b.enter_gba(phase=1, base=2)
     order = [a.next(), a.next(), b.next(), a.next(), b.next(), a.next()]
     assert order == [2, 3, 4, 5, 6, None]  # fast worker a took four of the five
-    assert a.taken == b.taken == 8 and a.next_free == 6 and b.next_free == 7
+    assert a.taken == b.taken == 7 and a.next_free == 6 and b.next_free == 7  # the failed claim is not a batch
     # the next phase starts where every worker's numbers end (the engine all-reduces next_free)
     a.enter_sync(base=max(a.next_free, b.next_free))
     assert a.next() is None  # 7 of 7 taken

@@ -1,8 +1,9 @@
 """launch/train_rec.py with a ``gba`` block on real gloo ranks: 2 workers + 1 parameter server.
 
 ds_configs/gba_cpu.json with test-sized knobs (micro batch, detector window and dwell,
-heartbeat): a gba run, and an auto run where ``--straggler 1:8:3-8`` slows worker 1 over a
-step window so the job moves sync -> gba -> sync. Server ranks return no summary; the
+heartbeat): an asynchronous gba run where worker 1 is 20x slower, so worker 0 takes more of
+the job's numbered batches, and a lockstep auto run where ``--straggler 1:8:3-9`` slows worker 1
+over a window of job steps so the job moves sync -> gba -> sync. Server ranks return no summary; the
 workers compute the AUC over the gathered held-out set.
 """
 import json
@@ -26,14 +27,16 @@ def _run(rank: int, world_size: int, argv: list) -> dict:
     summary = train_rec.train(train_rec.parse_args(argv))
     if summary.get("server"):
         return {"server": True}
-    return {k: summary[k] for k in ("auc", "steps", "samples", "eval_samples", "gba", "world_size")}
+    return {k: summary[k] for k in ("auc", "steps", "samples", "eval_samples", "gba", "world_size", "local_samples")}
 
 
 def _config(tmp_path: Path, mode: str) -> str:
     cfg = json.loads((ROOT / "ds_configs" / "gba_cpu.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 32
     cfg["wandb"] = {"enabled": False}
-    cfg["gba"].update(mode=mode, timeout_s=20, heartbeat_s=0.2, max_lead=0,
+    # gba: fully asynchronous (fast workers run ahead); auto: lockstep, so its switches are exact
+    # heartbeat 0.5 s (lease 2.5 s): a loaded 2-core box can starve a heartbeat thread for over a second
+    cfg["gba"].update(mode=mode, timeout_s=20, heartbeat_s=0.5, max_lead=None if mode == "gba" else 0,
                       switch={"slow_ratio": 1.5, "recover_ratio": 1.2, "window": 2, "min_dwell_steps": 2})
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{mode}.json"
@@ -41,21 +44,25 @@ def _config(tmp_path: Path, mode: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("mode,steps,straggler", [("gba", 5, []), ("auto", 16, ["--straggler", "1:8:3-9"])])
+@pytest.mark.parametrize("mode,steps,straggler", [("gba", 8, ["--straggler", "1:20"]),
+                                                   ("auto", 24, ["--straggler", "1:8:3-9"])])
 def test_train_rec_gba_block_on_workers_and_a_server(tmp_path, mode, steps, straggler):
     argv = [*SMALL, "--steps", str(steps), "--config", _config(tmp_path, mode), "--out", str(tmp_path / mode),
             *straggler]
     res = run_distributed(_run, 3, args=(argv,), timeout_s=110, init_process_group=False)
     w0, w1, server = res
     assert server == {"server": True}  # a server rank returns early, no summary
+    # the job's steps x 2 workers batches are handed out by number: together the workers train exactly them
+    assert w0["steps"] + w1["steps"] == steps * 2
     for w in (w0, w1):
-        assert w["steps"] == steps and w["samples"] == steps * 32 * 2  # data over the 2 workers only
+        assert w["samples"] == steps * 32 * 2  # data over the 2 workers only
         assert w["eval_samples"] == 2048 and 0.0 < w["auc"] < 1.0
     assert w0["auc"] == w1["auc"]  # gathered over the worker group
     summary = json.loads((tmp_path / mode / "summary.json").read_text())
     switches = [(e["src"], e["dst"]) for e in summary["gba"]["switches"]]
     if mode == "gba":
         assert summary["gba"]["mode"] == "gba" and summary["gba"]["server_version"] >= 1
+        assert w0["steps"] > w1["steps"]  # worker 1 is 20x slower: the fast worker takes more batches
     else:
         assert switches[:2] == [("sync", "gba"), ("gba", "sync")], switches
         assert summary["gba"]["steps_per_mode"].get("gba", 0) > 0

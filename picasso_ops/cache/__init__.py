@@ -11,11 +11,14 @@ Example::
 
 from picasso_ops.cache.belady import belady_hit_rate
 from picasso_ops.cache.cached_table import CachedEmbeddingTable, CachePolicy, CacheStats
+from picasso_ops.cache.fields import CachedFieldEmbeddings, CacheTooSmall
 from picasso_ops.cache.store import (HostRowStore, MmapRowStore, RowSource, RowStore, StoredRows, TableRowStore,
                                      check_store_ids)
 
 __all__ = [
     "CachedEmbeddingTable",
+    "CachedFieldEmbeddings",
+    "CacheTooSmall",
     "CacheStats",
     "CachePolicy",
     "RowStore",

@@ -32,7 +32,13 @@ same row cannot bring back a stale copy.
 
 Statistics (:attr:`stats`): per unique id per lookup, a hit if resident, else
 a miss (a miss served by the prefetch is still a miss, also counted in
-``prefetched``); evictions and write-backs.
+``prefetched``); evictions and write-backs. :meth:`peek` (evaluation) reads
+rows without touching the cache, the policy or the statistics.
+
+For data-parallel training, ``apply_gradients(..., write_around=True)``
+updates rows that are not cached in the store instead of loading them (the
+global batch's rows from other ranks), and :meth:`read_store` /
+:meth:`restore` copy rows out for a checkpoint and back in on resume.
 
 Example::
 
@@ -83,7 +89,7 @@ class CacheStats:
     misses: int
     prefetched: int  # misses whose rows came from a prefetch
     evictions: int
-    writebacks: int  # rows written to the store (evicted dirty rows and flushes)
+    writebacks: int  # rows written to the store (evicted dirty rows, flushes, write-around updates)
 
     @property
     def hit_rate(self) -> float:
@@ -228,14 +234,24 @@ class CachedEmbeddingTable(nn.Module):
         return self.weight.index_select(0, slots)[inverse].reshape(*ids.shape, self.dim)
 
     @torch.no_grad()
-    def apply_gradients(self, ids: Tensor, grad: Tensor) -> None:
-        """One optimizer step with ``grad`` (``ids.shape + (dim,)``) summed per id; rows evicted meanwhile are reloaded.
+    def apply_gradients(self, ids: Tensor, grad: Tensor, *, write_around: bool = False) -> None:
+        """One optimizer step with ``grad`` (``ids.shape + (dim,)``) summed per id.
+
+        Rows that are not cached are loaded into the cache (evicting others), or
+        with ``write_around=True`` updated in the store (read, update, write on
+        the I/O thread) without entering the cache: for a data-parallel step,
+        where most of the global batch's rows were looked up on other ranks and
+        would only push this rank's hot rows out. Either way each row takes the
+        same optimizer arithmetic, so the weights do not depend on the choice.
 
         Example::
 
             >>> t = CachedEmbeddingTable(HostRowStore(10, 2), capacity=4, optimizer_params={"lr": 0.5})
             >>> t.apply_gradients(torch.tensor([7, 7]), torch.ones(2, 2)); t.lookup(torch.tensor([7])).tolist()
             [[-1.0, -1.0]]
+            >>> t.apply_gradients(torch.tensor([3]), torch.ones(1, 2), write_around=True)
+            >>> len(t), t.peek(torch.tensor([3])).tolist()
+            (1, [[-0.5, -0.5]])
         """
         flat = check_store_ids(ids, self.store.num_rows, "CachedEmbeddingTable")
         g = grad.reshape(-1, self.dim)
@@ -243,12 +259,107 @@ class CachedEmbeddingTable(nn.Module):
             raise ValueError(f"{flat.numel()} ids but {g.shape[0]} gradient rows")
         uniq, inverse = torch.unique(flat, return_inverse=True)
         summed = torch.zeros(uniq.numel(), self.dim, dtype=torch.float32).index_add_(0, inverse, g.float())
-        slots = self._make_resident(uniq, count=False)
+        self.optimizer_steps += 1
+        if write_around:
+            slots = self._index.find(uniq)
+            away = slots < 0
+            if bool(away.any()):
+                self._update_in_store(uniq[away], summed[away])
+            slots, summed = slots[~away], summed[~away]
+        else:
+            slots = self._make_resident(uniq, count=False)
+        if slots.numel() == 0:
+            return
         order = torch.argsort(slots)  # the optimizer wants ascending rows
         slots, summed = slots[order], summed[order]
-        self.optimizer_steps += 1
         self.optimizer.update(self.weight, self.state, RowUpdate.simple(slots, summed, step=self.optimizer_steps))
         self.dirty[slots] = True
+
+    def _update_in_store(self, ids: Tensor, summed: Tensor) -> None:
+        """The optimizer step of uncached ascending ``ids`` applied to their stored copies (write-around)."""
+        got = self._read(ids)  # queued behind pending write-backs, so it sees them
+        n = ids.numel()
+        weight = got.rows.to(torch.float32).clone()
+        # the optimizer's layout: "row" state is [n], "element" state [n, dim]
+        state = {k: got.state[k].reshape(n).clone() if kind == "row" else got.state[k].reshape(n, self.dim).clone()
+                 for k, kind in self.optimizer.state_kinds.items()}
+        self.optimizer.update(weight, state, RowUpdate.simple(torch.arange(n), summed, step=self.optimizer_steps))
+        self._wait_writes(self.max_pending_writes)
+        self._writes.append(self._io().submit(
+            self.store.put_rows, ids, weight, {k: v.reshape(n, self._state_width[k]) for k, v in state.items()}))
+        if self._staged is not None and self._staged.future is not None:
+            self._staged.written.append(ids)  # a prefetch queued earlier reads the old copy
+        self._drop_staged(ids)
+        self._counts["writebacks"] += n
+
+    @torch.no_grad()
+    def peek(self, ids: Tensor) -> Tensor:
+        """Current rows of ``ids`` without making them resident or counting them (evaluation).
+
+        Cached rows come from the cache, the rest from the store (read after
+        any pending write-back), so the result is the table as training left
+        it while the policy, the cache contents and :attr:`stats` stay as they were.
+
+        Example::
+
+            >>> t = CachedEmbeddingTable(HostRowStore(10, 2, weight=torch.ones(10, 2)), capacity=4)
+            >>> t.peek(torch.tensor([5])).tolist(), len(t), t.stats.misses
+            ([[1.0, 1.0]], 0, 0)
+        """
+        flat = check_store_ids(ids, self.store.num_rows, "CachedEmbeddingTable.peek")
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        slots = self._index.find(uniq)
+        hit = slots >= 0
+        rows = torch.empty(uniq.numel(), self.dim)
+        rows[hit] = self.weight.index_select(0, slots[hit])
+        if not bool(hit.all()):
+            self._settle_staged()
+            rows[~hit] = self._read(uniq[~hit]).rows.to(rows.dtype)
+        return rows[inverse].reshape(*ids.shape, self.dim)
+
+    @torch.no_grad()
+    def read_store(self, ids: Tensor) -> StoredRows:
+        """Flush, then the stored rows and optimizer state of ``ids`` (a complete copy: for checkpoints).
+
+        Example::
+
+            >>> t = CachedEmbeddingTable(HostRowStore(10, 2), capacity=4, optimizer_params={"lr": 1.0})
+            >>> t.apply_gradients(torch.tensor([2]), torch.ones(1, 2)); t.read_store(torch.tensor([2])).rows.tolist()
+            [[-1.0, -1.0]]
+        """
+        flat = check_store_ids(ids, self.store.num_rows, "CachedEmbeddingTable.read_store")
+        self._settle_staged()
+        self.flush()
+        return self._read(flat)
+
+    @torch.no_grad()
+    def restore(self, ids: Tensor, rows: Tensor, state: Mapping[str, Tensor],
+                optimizer_steps: Optional[int] = None) -> None:
+        """Overwrite the stored rows and state of unique ``ids`` and drop every cached copy (loading a checkpoint).
+
+        Cached rows are dropped without a write-back, pending writes finish
+        first, so nothing older can overwrite what is restored.
+
+        Example::
+
+            >>> t = CachedEmbeddingTable(HostRowStore(10, 2), capacity=4)
+            >>> _ = t.lookup(torch.tensor([1])); t.restore(torch.tensor([1]), torch.ones(1, 2), {})
+            >>> len(t), t.lookup(torch.tensor([1])).tolist()
+            (0, [[1.0, 1.0]])
+        """
+        self._forget_cached(optimizer_steps)
+        flat = check_store_ids(ids, self.store.num_rows, "CachedEmbeddingTable.restore")
+        self._io().submit(self.store.put_rows, flat, rows, dict(state)).result()
+
+    def _forget_cached(self, optimizer_steps: Optional[int]) -> None:
+        """Drop every cached row and the prefetch without writing back (the store is about to be, or was, restored)."""
+        self._settle_staged()
+        self._wait_writes(0)
+        if optimizer_steps is not None:
+            self.optimizer_steps = int(optimizer_steps)
+        self._staged = None
+        self._index.clear()
+        self.dirty.zero_()
 
     def prefetch(self, ids: Tensor) -> None:
         """Start reading the rows of ``ids`` that are not cached (the next batch's misses) on a background thread.
@@ -446,12 +557,7 @@ class CachedEmbeddingTable(nn.Module):
         if key not in state_dict:
             missing_keys.append(key)
             return
-        self._settle_staged()
-        self._wait_writes(0)
-        self.optimizer_steps = int(state_dict[key])
-        self._staged = None
-        self._index.clear()  # the store was restored: cached copies are stale
-        self.dirty.zero_()
+        self._forget_cached(int(state_dict[key]))  # the store was restored: cached copies are stale
 
     def extra_repr(self) -> str:
         return f"capacity={self.capacity}, dim={self.dim}, policy={self.policy!r}, optimizer={self.optimizer}"

@@ -13,7 +13,8 @@ Example::
 from picasso_ops.distributed.comm import world_info
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
 from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection, shard_rows
-from picasso_ops.distributed.step import discard_sparse_gradients, engine_step, sparse_modules, sparse_step
+from picasso_ops.distributed.step import (discard_sparse_gradients, engine_step, sparse_modules, sparse_step,
+                                          wait_sparse_backward)
 
 __all__ = [
     "DataParallelEmbeddingCollection",
@@ -22,6 +23,7 @@ __all__ = [
     "sparse_step",
     "sparse_modules",
     "discard_sparse_gradients",
+    "wait_sparse_backward",
     "engine_step",
     "world_info",
 ]

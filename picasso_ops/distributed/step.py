@@ -14,6 +14,8 @@ own deferred buffers during ``loss.backward()``, and their optimizer runs in
   tables exchange their row gradients across ranks and take exactly one
   optimizer step with ``grad_scale = 1 / loss_scale``; if the engine skipped
   its step (fp16 overflow) the sparse gradients are dropped too.
+* Embedding backwards that a ``picasso_ops.interleave.InterleavedForward``
+  queued on its sparse thread are waited for before the tables' step.
 * DeepSpeed's gradient clipping does not cover the tables (their gradients
   never exist densely), as with torchrec's fused optimizers.
 
@@ -34,7 +36,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
-__all__ = ["sparse_modules", "sparse_step", "discard_sparse_gradients", "engine_step"]
+__all__ = ["sparse_modules", "sparse_step", "discard_sparse_gradients", "wait_sparse_backward", "engine_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ def sparse_step(module: nn.Module, grad_scale: float = 1.0) -> int:
         >>> sparse_step(nn.Linear(2, 2))
         0
     """
+    wait_sparse_backward(module)
     n = 0
     for m in sparse_modules(module):
         m.sparse_step(grad_scale=grad_scale)
@@ -72,8 +75,22 @@ def sparse_step(module: nn.Module, grad_scale: float = 1.0) -> int:
 
 def discard_sparse_gradients(module: nn.Module) -> None:
     """Drop every sparse table's accumulated gradients in ``module`` (local)."""
+    wait_sparse_backward(module)
     for m in sparse_modules(module):
         m.discard_pending()
+
+
+def wait_sparse_backward(module: nn.Module) -> None:
+    """Let embedding backwards still running on other threads finish (``InterleavedForward`` queues them).
+
+    Example::
+
+        >>> wait_sparse_backward(nn.Linear(2, 2))  # nothing queued: returns at once
+    """
+    for m in module.modules():
+        wait = getattr(m, "wait_sparse_backward", None)
+        if callable(wait):
+            wait()
 
 
 def _loss_scale(engine: Any) -> float:

@@ -8,6 +8,7 @@ Example::
     ...     trainer.train(iter(stream), num_steps=10)
     >>> tl.write_chrome_trace("trace.json")   # chrome://tracing or ui.perfetto.dev
 """
+from picasso_ops.interleave.forward import InterleavedForward
 from picasso_ops.interleave.kgroups import AsyncExchange, KInterleavedRowShardedCollection, interleaved_sparse_step
 from picasso_ops.interleave.pipeline import (
     BatchPrefetcher,
@@ -24,6 +25,7 @@ from picasso_ops.interleave.trace import Span, Timeline, profile_to_chrome_trace
 
 __all__ = [
     "InterleavedTrainer",
+    "InterleavedForward",
     "ThreadPipeline",
     "BatchPrefetcher",
     "StageError",

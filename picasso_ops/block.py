@@ -1,0 +1,216 @@
+"""The ``picasso`` config block applied to a packed CTR model: the hot-row cache, interleaving, their statistics.
+
+``launch/train_rec.py`` builds the packed model from the block's packing,
+sharding, embedding dim and optimizer, then calls :func:`apply_picasso_block`
+for the rest:
+
+* ``cache`` (``rows``, ``policy``, ``store``, ``prefetch``): every packed
+  field-embedding module of the model (wide-and-deep: the deep ``embeddings``
+  and the ``wide`` weights) becomes a
+  :class:`~picasso_ops.cache.CachedFieldEmbeddings`: its fields' tables packed
+  into one store (``"memory"``: host tensors; ``"mmap"``: a file per rank and
+  module under ``workdir/picasso_cache/``) behind a cache of ``rows`` rows.
+  Training through it gives the same weights as without it, bit for bit.
+  ``"ps"`` (rows on gba_engine's parameter servers) is refused: those servers
+  exist only with a ``gba`` block, which train_rec cannot combine with
+  ``picasso`` yet. The cache serves data-parallel tables only.
+* ``interleave.micro_batches`` ``K > 1``: the model is wrapped in
+  :class:`~picasso_ops.interleave.InterleavedForward` (lookups, dense compute
+  and embedding backwards of ``K`` micro-batches overlap on threads inside the
+  engine's forward and backward; equal to ``K = 1`` up to float rounding).
+  With a cache and ``prefetch``, the lookup of micro-batch ``i`` starts the
+  store reads of micro-batch ``i + 1``; with ``K = 1`` there is no next
+  micro-batch inside the model to read ahead, so ``prefetch`` does nothing.
+
+Errors name the block's key (``picasso.cache.rows``, ``picasso.cache.store``...).
+
+Example::
+
+    >>> model = packed_wide_and_deep(args, sparse_args(block))
+    >>> model = apply_picasso_block(model, block, workdir=Path("runs/x"), rank=0)
+    >>> flush_caches(model)                       # before a checkpoint or an evaluation
+    >>> picasso_summary(model)["cache_hit_rate"]  # doctest: +SKIP
+    0.83
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from torch import nn
+
+from picasso_ops.cache.fields import CachedFieldEmbeddings
+from picasso_ops.cache.store import HostRowStore, MmapRowStore, RowStore
+from picasso_ops.config import CacheConfig, PicassoConfig
+from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
+from picasso_ops.interleave.forward import InterleavedForward
+from picasso_ops.models.wide_deep import PackedFieldEmbeddings
+
+__all__ = ["PicassoBlockError", "apply_picasso_block", "cached_modules", "flush_caches", "picasso_summary",
+           "monitor_events"]
+
+logger = logging.getLogger(__name__)
+
+
+class PicassoBlockError(ValueError):
+    """A ``picasso`` block value that cannot be used with this model or job; the message names the key."""
+
+
+def _packed_children(model: nn.Module) -> list[tuple[str, PackedFieldEmbeddings]]:
+    return [(name, m) for name, m in model.named_children() if isinstance(m, PackedFieldEmbeddings)]
+
+
+def check_cache_config(cache: CacheConfig, table_rows: dict[str, int], *, sharding: str) -> None:
+    """Raise :class:`PicassoBlockError` naming the key when ``cache`` cannot serve tables of these sizes.
+
+    ``table_rows``: rows per cached module (its fields' vocab sizes summed).
+
+    Example::
+
+        >>> check_cache_config(CacheConfig(rows=10**6), {"embeddings": 5200}, sharding="data_parallel")
+        Traceback (most recent call last):
+        ...
+        picasso_ops.block.PicassoBlockError: picasso.cache.rows = 1000000 is larger than ...
+    """
+    if cache.store == "ps":
+        raise PicassoBlockError(
+            'picasso.cache.store = "ps": the parameter-server store keeps rows on gba_engine\'s servers, which only '
+            "a gba block starts, and train_rec cannot combine the gba and picasso blocks yet; use \"memory\" or "
+            '"mmap"')
+    if sharding != "data_parallel":
+        raise PicassoBlockError(
+            f'picasso.cache with picasso.sharding = "{sharding}": the cache serves data-parallel tables (every rank '
+            'holds every row); drop the cache block or use sharding "data_parallel"')
+    for name, rows in table_rows.items():
+        if cache.rows > rows:
+            raise PicassoBlockError(
+                f"picasso.cache.rows = {cache.rows} is larger than the table it caches: {name!r} packs its fields "
+                f"into {rows} rows (their vocab sizes summed), so the cache would hold the whole table; use at most "
+                f"{rows}, or drop the cache block")
+
+
+def _store_factory(cache: CacheConfig, name: str, workdir: Optional[Path], rank: int):
+    """``(rows, dim, state_dims) -> RowStore`` for the configured store kind."""
+    if cache.store == "memory":
+        return lambda n, d, sd: HostRowStore(n, d, sd)
+    if workdir is None:
+        raise PicassoBlockError('picasso.cache.store = "mmap" needs a folder for the table files (workdir)')
+    folder = Path(workdir) / "picasso_cache" / f"rank{rank}"
+
+    def make(n: int, d: int, sd: dict[str, int]) -> RowStore:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.rows"
+        logger.info("picasso cache: %s rows of %s in %s", n, name, path)
+        return MmapRowStore(path, n, d, sd, create=True)  # a fresh file: the rows come from the model (or a checkpoint)
+
+    return make
+
+
+def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Optional[Path] = None,
+                        rank: int = 0) -> nn.Module:
+    """``model`` with the block's cache (in place) and interleaving (a wrapper when ``micro_batches > 1``).
+
+    ``model`` is a packed model (``packed_wide_and_deep`` / ``packed_dlrm``) built from the same block.
+
+    Example::
+
+        >>> from picasso_ops.models import SparseArgs, WideAndDeepArgs, packed_wide_and_deep
+        >>> model = packed_wide_and_deep(WideAndDeepArgs([500] * 4, 3), SparseArgs())
+        >>> model = apply_picasso_block(model, PicassoConfig(cache={"rows": 1000}, interleave={"micro_batches": 2}))
+        >>> type(model).__name__, type(model.embeddings).__name__
+        ('InterleavedForward', 'CachedFieldEmbeddings')
+    """
+    if block.cache is not None:
+        cache = block.cache
+        children = _packed_children(model)
+        if not children:
+            raise PicassoBlockError(f"picasso.cache: {type(model).__name__} has no packed field embeddings to cache")
+        rows = {name: sum(s.num_embeddings for s in m.collection.specs) for name, m in children}
+        check_cache_config(cache, rows, sharding=block.sharding)
+        for name, packed in children:
+            if not isinstance(packed.collection, DataParallelEmbeddingCollection):
+                raise PicassoBlockError(f"picasso.cache: {name!r} is not a data-parallel packed collection")
+            cached = CachedFieldEmbeddings.from_packed(
+                packed, capacity=cache.rows, policy=cache.policy, prefetch=cache.prefetch,
+                store_factory=_store_factory(cache, name, workdir, rank), capacity_key="picasso.cache.rows")
+            setattr(model, name, cached)  # the packed tables go; their rows now live in the store
+        if rank == 0:
+            logger.info("picasso cache: %s rows per table of %s, policy %s, store %s, prefetch %s", cache.rows,
+                        rows, cache.policy, cache.store, cache.prefetch)
+        if cache.prefetch and block.interleave.micro_batches == 1 and rank == 0:
+            logger.info("picasso.cache.prefetch reads the next micro-batch's rows ahead; with "
+                        "interleave.micro_batches = 1 there is none inside a step, so it does nothing")
+    if block.interleave.micro_batches > 1:
+        model = InterleavedForward(model, block.interleave.micro_batches)
+        if rank == 0:
+            logger.info("picasso interleave: %d micro-batches per batch", block.interleave.micro_batches)
+    return model
+
+
+def cached_modules(model: nn.Module) -> list[tuple[str, CachedFieldEmbeddings]]:
+    """``(name, module)`` of every cached field-embedding module in ``model``.
+
+    Example::
+
+        >>> [name for name, _ in cached_modules(model)]  # doctest: +SKIP
+        ['embeddings', 'wide']
+    """
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, CachedFieldEmbeddings)]
+
+
+def flush_caches(model: nn.Module) -> int:
+    """Write every cache's dirty rows back to its store (before a checkpoint or evaluation); returns how many caches.
+
+    Example::
+
+        >>> flush_caches(nn.Linear(2, 2))
+        0
+    """
+    mods = cached_modules(model)
+    for _, m in mods:
+        m.flush()
+    return len(mods)
+
+
+def picasso_summary(model: nn.Module) -> dict[str, Any]:
+    """The cache's statistics since the model was built (all caches together and per module) and the micro-batches.
+
+    Example::
+
+        >>> picasso_summary(nn.Linear(2, 2))
+        {'interleave_micro_batches': 1}
+    """
+    k = model.micro_batches if isinstance(model, InterleavedForward) else 1
+    out: dict[str, Any] = {"interleave_micro_batches": k}
+    mods = cached_modules(model)
+    if not mods:
+        return out
+    per = {}
+    hits = misses = 0
+    for name, m in mods:
+        s = m.stats
+        hits, misses = hits + s.hits, misses + s.misses
+        per[name] = {"hit_rate": s.hit_rate, "hits": s.hits, "misses": s.misses, "prefetched": s.prefetched,
+                     "evictions": s.evictions, "writebacks": s.writebacks, "capacity": m.cache.capacity,
+                     "table_rows": m.row_starts[-1]}
+    out["cache_hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+    out["cache"] = per
+    return out
+
+
+def monitor_events(model: nn.Module, step: int) -> list[tuple[str, float, int]]:
+    """``(name, value, step)`` events of the cache statistics for ``engine.monitor.write_events`` ([] without a cache).
+
+    Example::
+
+        >>> monitor_events(nn.Linear(2, 2), 0)
+        []
+    """
+    summary = picasso_summary(model)
+    if "cache" not in summary:
+        return []
+    events = [("picasso/cache_hit_rate", float(summary["cache_hit_rate"]), step)]
+    for name, s in summary["cache"].items():
+        events += [(f"picasso/{name}/{k}", float(s[k]), step) for k in ("hit_rate", "evictions", "prefetched")]
+    return events
