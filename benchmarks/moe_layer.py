@@ -23,14 +23,22 @@ forward+backward, summed in time order; the peak is the most bytes live at once
 beyond what existed before the step (parameters and the input are not counted;
 activations, gradients and temporaries are).
 
+Expert parallelism (``--ep 2``): ``ep`` gloo processes on 127.0.0.1
+(``sparse_scale.multiproc.run_distributed``), one intra-op thread each, every rank with
+its own S tokens and E/ep of the E experts; our layer and DeepSpeed's join DeepSpeed's
+``ep_size_{ep}`` groups (``set_deepspeed_parallelism``), so both exchange rows with
+all-to-alls over gloo. Before every timed step the ranks meet at a barrier (not
+timed); a step's time is the slower rank's, and the table gives the median over
+repetitions. Wall time is the main measure here: gloo runs the exchange on its own
+threads, so the calling thread's CPU time leaves it out. "ideal" is the same dense
+FFN over S x K rows on each rank (the rows a rank's experts get with a perfectly
+balanced router), timed in the same rounds; it has no communication.
+
 Run::
 
     .venv/bin/python benchmarks/moe_layer.py            # full size, 12 repetitions
-    .venv/bin/python benchmarks/moe_layer.py --reps 20 --markdown
-
-Expert parallelism (ep=2 over gloo) is not timed here: the script prints
-``ep=2: expert parallelism not available in this build`` when the layer rejects
-ep_size > 1, and says ep=2 was not measured when it accepts it.
+    .venv/bin/python benchmarks/moe_layer.py --reps 20 --modes top-1,top-2
+    .venv/bin/python benchmarks/moe_layer.py --ep 2     # 2 processes, expert parallelism
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ from moe_proto import MoE
 from moe_proto.args import MoEArgs
 
 EP2_UNAVAILABLE = "ep=2: expert parallelism not available in this build"
-EP2_NOT_MEASURED = "ep=2: not measured (this benchmark has no expert-parallel run)"
+EP2_HINT = "ep=2: run with --ep 2 (2 gloo processes) for the expert-parallel table"
 
 
 @dataclass(frozen=True)
@@ -176,21 +184,28 @@ def _ideal_step(mlp: nn.Module, rows: Tensor, grad: Tensor) -> Step:
     return step
 
 
-def build_variants(cfg: BenchConfig, mode: Mode, with_deepspeed: bool = True) -> Tuple[Dict[str, Step], float]:
+def build_variants(cfg: BenchConfig, mode: Mode, with_deepspeed: bool = True, ep_size: int = 1,
+                   rank: int = 0) -> Tuple[Dict[str, Step], float]:
     """The steps to time for one mode: ``ours``, ``ideal`` and (when supported) ``deepspeed``.
 
     Returns the steps and our layer's drop rate on the benchmark input. Both layers copy
     the same expert module and the same router weights, so they route alike (not
     identically: DeepSpeed drops by position and top-2 renormalises after drops).
+
+    With ``ep_size > 1`` (inside an initialised process group of ``ep_size`` ranks, DeepSpeed's
+    comm initialised) both layers hold E/ep_size experts and join DeepSpeed's ``ep_size_{ep}``
+    groups; every rank seeds the modules alike and draws its own tokens (seed + rank).
     """
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed)
     mlp = expert_module(cfg)
     x = torch.randn(cfg.tokens, cfg.hidden, generator=gen)
     grad = torch.randn(cfg.tokens, cfg.hidden, generator=gen)
-    common = dict(num_experts=cfg.experts, k=mode.k, capacity_factor=cfg.capacity_factor,
+    common = dict(num_experts=cfg.experts, ep_size=ep_size, k=mode.k, capacity_factor=cfg.capacity_factor,
                   eval_capacity_factor=cfg.capacity_factor, use_rts=False, top2_2nd_expert_sampling=False)
     ours = MoE(cfg.hidden, mlp, num_prototypes=mode.prototypes, dropless=mode.dropless, **common)
+    if ep_size > 1:
+        ours.set_deepspeed_parallelism()
     steps: Dict[str, Step] = {}
     if with_deepspeed and mode.deepspeed_supported:
         from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -237,20 +252,27 @@ def peak_bytes(steps: Dict[str, Step]) -> Dict[str, int]:
     return peaks
 
 
-def time_round_robin(steps: Dict[str, Step], reps: int, warmup: int) -> Dict[str, Timing]:
+def time_round_robin(steps: Dict[str, Step], reps: int, warmup: int,
+                     before_each: Optional[Callable[[], None]] = None) -> Dict[str, Timing]:
     """Run every step once per repetition, in a rotating order, and record thread and wall time.
 
     Rotation keeps any one variant from always following the same neighbour (whose
-    freed memory and cache state it would inherit).
+    freed memory and cache state it would inherit). ``before_each`` runs untimed before
+    every step (the expert-parallel run puts a barrier there); the order depends only on
+    the repetition, so every rank runs the same step at the same time.
     """
     names = list(steps)
     for _ in range(warmup):
         for name in names:
+            if before_each is not None:
+                before_each()
             steps[name]()
     timings = {name: Timing() for name in names}
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
+            if before_each is not None:
+                before_each()
             wall0, cpu0 = time.perf_counter(), time.thread_time()
             steps[name]()
             timings[name].thread.append(time.thread_time() - cpu0)
@@ -322,27 +344,175 @@ def ep_available() -> bool:
     return True
 
 
+# --- expert parallelism ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpRow:
+    """One line of the expert-parallel table: medians over repetitions of the slower rank's seconds."""
+
+    mode: str
+    tokens: int  # per rank
+    ep: int
+    ours_wall_s: float
+    ds_wall_s: Optional[float]
+    ideal_wall_s: float
+    ours_s: float  # thread CPU time (the exchange on gloo's threads is not in it)
+    ds_s: Optional[float]
+    ideal_s: float
+    ours_peak: int  # the larger rank's peak bytes
+    ds_peak: Optional[int]
+    ideal_peak: int
+    ours_drop_rate: float  # mean over ranks
+
+
+def _ep_worker(rank: int, world: int, cfg: BenchConfig, mode_names: Sequence[str],
+               with_deepspeed: bool) -> Dict[str, object]:
+    """One rank of the expert-parallel run (``run_distributed`` has initialised gloo): time every variant."""
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.threads)
+    # Our layer takes its expert-parallel group from DeepSpeed's groups (as under deepspeed.initialize),
+    # so DeepSpeed's comm is initialised even when its layer is not timed.
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    modes = [m for m in MODES if m.name in mode_names]
+    steps: Dict[str, Step] = {}
+    drops: Dict[str, float] = {}
+    for mode in modes:
+        mode_steps, drops[mode.name] = build_variants(cfg, mode, with_deepspeed, ep_size=world, rank=rank)
+        steps.update({f"{mode.name}|{name}": step for name, step in mode_steps.items()})
+    timings = time_round_robin(steps, cfg.reps, cfg.warmup, before_each=dist.barrier)
+    dist.barrier()
+    peaks = peak_bytes(steps)
+    return {"port": os.environ.get("MASTER_PORT"), "drops": drops, "peaks": peaks,
+            "thread": {name: t.thread for name, t in timings.items()},
+            "wall": {name: t.wall for name, t in timings.items()}}
+
+
+def remove_deepspeed_shm_buffers(port: Optional[str]) -> None:
+    """DeepSpeed's CPU shm comm op can leave a 66 MB /dev/shm buffer per rank and port: remove ours only."""
+    import glob
+
+    if not port:
+        return
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def run_ep(cfg: BenchConfig, ep: int = 2, modes: Sequence[Mode] = MODES, with_deepspeed: bool = True,
+           timeout_s: Optional[float] = None) -> List[EpRow]:
+    """Time every mode on ``ep`` gloo processes with expert parallelism; one row per mode."""
+    from sparse_scale.multiproc import run_distributed
+
+    if cfg.experts % ep:
+        raise ValueError(f"{cfg.experts} experts cannot be split over ep={ep} ranks")
+    if timeout_s is None:  # generous: a loaded 2-core machine runs these steps several times slower
+        timeout_s = 120.0 + 40.0 * len(modes) * (cfg.reps + cfg.warmup)
+    results = run_distributed(_ep_worker, world_size=ep, args=(cfg, [m.name for m in modes], with_deepspeed),
+                              timeout_s=timeout_s, threads_per_rank=cfg.threads)
+    remove_deepspeed_shm_buffers(results[0]["port"])
+
+    def slowest(key: str, name: str) -> Optional[List[float]]:
+        if name not in results[0][key]:
+            return None
+        return [max(per_rank) for per_rank in zip(*(r[key][name] for r in results))]
+
+    def median(values: Optional[List[float]]) -> Optional[float]:
+        return None if values is None else statistics.median(values)
+
+    rows = []
+    for mode in modes:
+        ours, ds, ideal = (f"{mode.name}|{v}" for v in ("ours", "deepspeed", "ideal"))
+        ds_peaks = [r["peaks"].get(ds) for r in results]
+        rows.append(EpRow(
+            mode=mode.name, tokens=cfg.tokens, ep=ep,
+            ours_wall_s=median(slowest("wall", ours)), ds_wall_s=median(slowest("wall", ds)),
+            ideal_wall_s=median(slowest("wall", ideal)),
+            ours_s=median(slowest("thread", ours)), ds_s=median(slowest("thread", ds)),
+            ideal_s=median(slowest("thread", ideal)),
+            ours_peak=max(r["peaks"][ours] for r in results),
+            ds_peak=None if None in ds_peaks else max(ds_peaks),
+            ideal_peak=max(r["peaks"][ideal] for r in results),
+            ours_drop_rate=statistics.mean(r["drops"][mode.name] for r in results)))
+    return rows
+
+
+def format_ep_table(rows: Sequence[EpRow]) -> str:
+    """Markdown table for the expert-parallel run: speeds from wall-time medians (slower rank per step)."""
+
+    def tps(seconds: Optional[float], tokens: int) -> str:
+        return "n/a" if seconds is None else f"{tokens / seconds:,.0f}"
+
+    def ratio(a: Optional[float], b: Optional[float]) -> str:
+        return "n/a" if a is None or b is None else f"{a / b:.2f}"
+
+    def mb(n: Optional[int]) -> str:
+        return "n/a" if n is None else f"{n / 2**20:.0f}"
+
+    lines = [
+        "| mode | ours tok/s per rank | DeepSpeed tok/s per rank | ideal tok/s per rank | ours/ideal | DS/ideal "
+        "| ours/DS | ours/ideal (thread CPU) | DS/ideal (thread CPU) | peak MB ours / DS / ideal | ours drop rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.mode} | {tps(r.ours_wall_s, r.tokens)} | {tps(r.ds_wall_s, r.tokens)} "
+            f"| {tps(r.ideal_wall_s, r.tokens)} | {ratio(r.ideal_wall_s, r.ours_wall_s)} "
+            f"| {ratio(r.ideal_wall_s, r.ds_wall_s)} | {ratio(r.ds_wall_s, r.ours_wall_s)} "
+            f"| {ratio(r.ideal_s, r.ours_s)} | {ratio(r.ideal_s, r.ds_s)} "
+            f"| {mb(r.ours_peak)} / {mb(r.ds_peak)} / {mb(r.ideal_peak)} | {r.ours_drop_rate:.1%} |")
+    return "\n".join(lines)
+
+
+def _parse_modes(text: Optional[str]) -> Tuple[Mode, ...]:
+    if not text:
+        return MODES
+    by_name = {m.name: m for m in MODES}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(by_name)}")
+    return tuple(by_name[n] for n in names)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=BenchConfig.reps)
     parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
-    parser.add_argument("--tokens", type=int, default=BenchConfig.tokens)
+    parser.add_argument("--tokens", type=int, default=BenchConfig.tokens, help="tokens per process")
+    parser.add_argument("--modes", default=None, help="comma-separated subset of: " + ", ".join(m.name for m in MODES))
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size: >1 runs that many gloo processes (default 1: one process)")
     parser.add_argument("--no-deepspeed", action="store_true", help="time moe_proto and the ideal only")
     args = parser.parse_args(argv)
     cfg = BenchConfig(tokens=args.tokens, reps=args.reps, warmup=args.warmup)
+    modes = _parse_modes(args.modes)
     load_before = os.getloadavg()
-    rows = run(cfg, with_deepspeed=not args.no_deepspeed)
+    if args.ep > 1:
+        rows = run_ep(cfg, ep=args.ep, modes=modes, with_deepspeed=not args.no_deepspeed)
+        table = format_ep_table(rows)
+        how = f"ep={args.ep} gloo processes, S={cfg.tokens} tokens per rank, median of the slower rank's wall time"
+    else:
+        rows = run(cfg, modes=modes, with_deepspeed=not args.no_deepspeed)
+        table = format_table(rows)
+        how = "one process, median thread CPU time"
+        remove_deepspeed_shm_buffers(os.environ.get("MASTER_PORT"))
     load_after = os.getloadavg()
     print(f"S={cfg.tokens} d={cfg.hidden} ffn={cfg.ffn} E={cfg.experts} cf={cfg.capacity_factor} "
-          f"threads={cfg.threads} reps={cfg.reps} (median; thread CPU time) torch {torch.__version__}; "
-          f"{os.cpu_count()} CPUs, 1-min load {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(format_table(rows))
-    if not ep_available():
-        print(EP2_UNAVAILABLE)
-    else:
-        # The layer accepts ep_size > 1 but this benchmark has no expert-parallel timing yet: say so
-        # rather than print numbers for it.
-        print(EP2_NOT_MEASURED)
+          f"threads={cfg.threads} reps={cfg.reps} ({how}) torch {torch.__version__}; "
+          f"{os.cpu_count()} CPUs, load average (1/5/15 min) {_load(load_before)} before, "
+          f"{_load(load_after)} after")
+    print(table)
+    if args.ep == 1:
+        print(EP2_HINT if ep_available() else EP2_UNAVAILABLE)
+
+
+def _load(load: Tuple[float, float, float]) -> str:
+    return "/".join(f"{v:.1f}" for v in load)
 
 
 if __name__ == "__main__":

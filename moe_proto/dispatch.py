@@ -6,6 +6,13 @@ experts then compute exactly ``sum(tokens_per_expert)`` rows: empty capacity slo
 cost nothing. Capacity mode and dropless share this layout; they differ only in
 whether the router dropped routes.
 
+The plan also holds the inverse permutation (token-major order of the kept routes), so
+the combine and both backward passes are single gathers (``embedding_bag`` in sum mode,
+with the gate as per-sample weight where it applies) instead of weighted copies and
+scatter-adds into zero-filled buffers: at S=4096, d=256, E=16 top-1 this cut the
+non-expert time of a forward+backward step by about a third (see
+``benchmarks/moe_layer.py``).
+
 The local permutation is kept apart from any exchange between processes: under expert
 parallelism :mod:`moe_proto.parallel` moves the buffer (split by ``tokens_per_expert``) to
 the ranks owning the experts between :func:`permute` and the experts, and back before
@@ -24,7 +31,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .routing import RoutingRecord
 
@@ -33,21 +42,38 @@ from .routing import RoutingRecord
 class DispatchPlan:
     """Where every row of the expert-major buffer comes from and how it is weighted.
 
+    Two views of the same R kept routes: buffer order (expert-major, what the experts see)
+    and route order (token-major: token 0's kept routes, then token 1's, ...; what the
+    combine sums). Each is the other's inverse permutation, so both directions of the
+    dispatch, and both backward passes, are gathers: nothing is scatter-added into a
+    zero-filled buffer.
+
     Attributes:
         token_index: ``[R]`` int64 source token of each buffer row (R = kept routes).
-        gate: ``[R]`` fp32 combine weight of each row (differentiable, from the record).
+        gate: ``[R]`` fp32 combine weight of each buffer row (differentiable, from the record).
         tokens_per_expert: ``[E]`` int64 rows per expert, in buffer order.
         capacity: rows per expert of the routing (None when dropless); sizes fixed-split exchanges.
+        route_row: ``[R]`` int64 buffer row of each kept route, routes in token-major order.
+        route_offsets: ``[S]`` int64 start of token t's routes in ``route_row`` (its kept
+            routes are ``route_row[route_offsets[t]:route_offsets[t + 1]]``; none when dropped).
+        route_token: ``[R]`` int64 token of each kept route in token-major order (non-decreasing).
     """
 
     token_index: Tensor
     gate: Tensor
     tokens_per_expert: Tensor
     capacity: Optional[int] = None
+    route_row: Optional[Tensor] = None
+    route_offsets: Optional[Tensor] = None
+    route_token: Optional[Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.route_offsets is None else self.route_offsets.shape[0]
 
 
 def plan_dispatch(record: RoutingRecord) -> DispatchPlan:
-    """Build the permutation that sorts the kept routes by expert.
+    """Build the permutation that sorts the kept routes by expert, and its inverse.
 
     A kept route of expert e with slot j lands on row ``start[e] + j`` (``start`` is the
     exclusive cumulative sum of ``tokens_per_expert``); slots are dense per expert, so
@@ -58,45 +84,144 @@ def plan_dispatch(record: RoutingRecord) -> DispatchPlan:
         plan = plan_dispatch(route(logits, top_k=2))
     """
     s, k = record.expert_index.shape
-    keep = record.keep.reshape(-1)
-    expert = record.expert_index.reshape(-1)[keep]
     counts = record.tokens_per_expert
+    kept_total = int(counts.sum())
+    # Positions of the kept routes among the S*K (one nonzero for all three fields; none when all are kept).
+    kept_index = None if kept_total == s * k else torch.nonzero(record.keep.reshape(-1)).squeeze(1)
+
+    def kept(t: Tensor) -> Tensor:  # the kept routes of an [S, K] tensor, token-major
+        return t.reshape(-1) if kept_index is None else t.reshape(-1).index_select(0, kept_index)
+
     start = torch.cumsum(counts, dim=0) - counts
-    row = start[expert] + record.slot.reshape(-1)[keep]
+    # Buffer row of every kept route, routes in token-major order.
+    row = start[kept(record.expert_index)] + kept(record.slot)
     # route_of_row is the inverse permutation: buffer row -> position among kept routes.
-    route_of_row = torch.empty_like(row)
-    route_of_row[row] = torch.arange(row.numel(), device=row.device)
-    tokens = torch.arange(s, device=expert.device).repeat_interleave(k)[keep]
+    route_of_row = torch.empty_like(row).index_copy_(0, row, torch.arange(row.numel(), device=row.device))
+    routes_of_token = record.keep.sum(dim=1)
+    route_offsets = torch.cumsum(routes_of_token, dim=0) - routes_of_token
+    tokens = torch.repeat_interleave(torch.arange(s, device=row.device), routes_of_token, output_size=kept_total)
     return DispatchPlan(
-        token_index=tokens[route_of_row],
-        gate=record.gate.reshape(-1)[keep][route_of_row],
+        token_index=tokens.index_select(0, route_of_row),
+        gate=kept(record.gate).index_select(0, route_of_row),
         tokens_per_expert=counts,
         capacity=record.capacity,
+        route_row=row,
+        route_offsets=route_offsets,
+        route_token=tokens,
     )
 
 
 def permute(hidden: Tensor, plan: DispatchPlan) -> Tensor:
     """Gather ``hidden [S, d]`` into the expert-major buffer ``[R, d]``.
 
+    The backward sums each token's buffer-row gradients with one gather over the inverse
+    permutation (``embedding_bag`` over ``plan.route_row``): no zero-filled ``[S, d]``
+    buffer and no scatter-add. Tokens with no kept route get a zero gradient.
+
     Example::
 
         buffer = permute(x, plan)
     """
-    return hidden.index_select(0, plan.token_index)
+    if plan.route_row is None:
+        return hidden.index_select(0, plan.token_index)
+    return _Permute.apply(hidden, plan.token_index, plan.route_row, plan.route_offsets)
 
 
 def unpermute(expert_output: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
-    """Scatter-add the gate-weighted rows back to their tokens: ``[R, d] -> [S, d]``.
+    """Sum the gate-weighted rows back into their tokens: ``[R, d] -> [S, d]``.
 
     Tokens with no kept route get 0 (adding the residual is the caller's choice, as in
     DeepSpeed). Weighting and summation run in at least fp32 and the result is cast back to the
     input dtype, so bf16 experts do not lose precision in the sum over routes.
 
+    One fused pass forward (gather by ``plan.route_row``, times the gate, summed per token:
+    ``embedding_bag`` with per-sample weights) and one fused pass per gradient backward
+    (expert rows: gather of the output gradient by ``plan.token_index`` times the gate;
+    gates: per-route dot products of the output gradient and the expert rows), instead of
+    a weighted copy, a zero fill, a cloned scatter-add and three passes back.
+
     Example::
 
         out = unpermute(y, plan, num_tokens=x.shape[0])
     """
+    if plan.route_row is None or plan.route_offsets.shape[0] != num_tokens:
+        return _unpermute_reference(expert_output, plan, num_tokens)
+    return _Combine.apply(expert_output, plan.gate, plan.token_index, plan.route_row, plan.route_offsets,
+                          plan.route_token)
+
+
+def _unpermute_reference(expert_output: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
+    """The straightforward combine (weighted copy + scatter-add into zeros); the tests' reference."""
     acc = torch.promote_types(expert_output.dtype, torch.float32)
     weighted = expert_output.to(acc) * plan.gate.to(acc).unsqueeze(1)
     out = weighted.new_zeros(num_tokens, expert_output.shape[1])
     return out.index_add(0, plan.token_index, weighted).to(expert_output.dtype)
+
+
+def _sum_rows(rows: Tensor, index: Tensor, offsets: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    """``out[b] = sum_{i in bag b} weights[i] * rows[index[i]]``, bag b = ``index[offsets[b]:offsets[b+1]]``.
+
+    ``embedding_bag`` in sum mode: one pass, empty bags give zero rows, the output is
+    allocated uninitialised (no zero fill).
+    """
+    return F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights)
+
+
+class _Permute(torch.autograd.Function):
+    """``x.index_select(0, token_index)`` whose backward is the inverse gather (see :func:`permute`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, token_index: Tensor, route_row: Tensor,  # type: ignore[override]
+                route_offsets: Tensor) -> Tensor:
+        ctx.save_for_backward(route_row, route_offsets)
+        return x.index_select(0, token_index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        route_row, route_offsets = ctx.saved_tensors
+        return _sum_rows(grad.detach().contiguous(), route_row, route_offsets), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Gate-weighted combine with hand-written backward (see :func:`unpermute`)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, gate: Tensor, token_index: Tensor, route_row: Tensor,  # type: ignore[override]
+                route_offsets: Tensor, route_token: Tensor) -> Tensor:
+        acc = torch.promote_types(y.dtype, torch.float32)
+        # Detached: embedding_bag then takes its forward-only kernel (no offset2bag / bag_size outputs).
+        y_acc = y.detach().to(acc).contiguous()
+        gate_acc = gate.detach().to(acc)
+        out = _sum_rows(y_acc, route_row, route_offsets, gate_acc.index_select(0, route_row))
+        ctx.save_for_backward(y_acc, gate_acc, token_index, route_row, route_offsets, route_token)
+        ctx.y_dtype, ctx.gate_dtype = y.dtype, gate.dtype
+        return out.to(y.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        y_acc, gate_acc, token_index, route_row, route_offsets, route_token = ctx.saved_tensors
+        g = grad_out.to(y_acc.dtype).contiguous()
+        grad_y = grad_gate = None
+        if ctx.needs_input_grad[0]:
+            # Buffer row r gets gate[r] * grad_out[token_index[r]]: bags of one row each.
+            one_per_bag = torch.arange(token_index.shape[0], device=g.device)
+            grad_y = _sum_rows(g, token_index, one_per_bag, gate_acc).to(ctx.y_dtype)
+        if ctx.needs_input_grad[1]:
+            # d out[t] / d gate of route i = y[route_row[i]]: a dot product with grad_out[t] per route.
+            per_route = _per_route_dot(g, y_acc, route_row, route_offsets, route_token)
+            grad_gate = torch.empty_like(per_route).index_copy_(0, route_row, per_route).to(ctx.gate_dtype)
+        return grad_y, grad_gate, None, None, None, None
+
+
+def _per_route_dot(grad_out: Tensor, y: Tensor, route_row: Tensor, route_offsets: Tensor,
+                   route_token: Tensor) -> Tensor:
+    """``dot(grad_out[route_token[i]], y[route_row[i]])`` for every route i, without gathering rows."""
+    if _PSW_BACKWARD is not None:
+        return _PSW_BACKWARD(grad_out, y, route_row, route_offsets, route_token, 0)
+    return (grad_out.index_select(0, route_token) * y.index_select(0, route_row)).sum(dim=1)
+
+
+# embedding_bag's per-sample-weight gradient: exactly the per-route dot product, fused (aten, CPU and CUDA).
+_PSW_BACKWARD = getattr(torch.ops.aten, "_embedding_bag_per_sample_weights_backward", None)

@@ -61,6 +61,8 @@ class ExchangePlan:
         recv_index: ``[N]`` row of the received tensor for each local-expert-major row.
         send_index: ``[R]`` row of the padded send tensor for each buffer row (fixed splits), else None.
         send_rows / recv_rows: total rows of the send / receive tensors (padding included).
+        recv_inverse: ``[N]`` local-expert-major row of each received row, the inverse permutation of
+            ``recv_index`` (variable splits, where nothing is padded), else None.
     """
 
     send_splits: List[int]
@@ -71,6 +73,7 @@ class ExchangePlan:
     send_index: Optional[Tensor]
     send_rows: int
     recv_rows: int
+    recv_inverse: Optional[Tensor] = None
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -151,9 +154,14 @@ def plan_exchange(tokens_per_expert: Tensor, group: Optional[dist.ProcessGroup],
         recv_offset = (torch.cumsum(flat, 0) - flat).view(world, local)
     # Local-expert-major: segments ordered (expert l, peer w), i.e. the transposed peer-major table.
     recv_index = _segment_rows(recv_offset.t().reshape(-1), recv_counts.t().reshape(-1))
+    recv_inverse = None
+    if not fixed_splits:  # every received row is used: recv_index is a permutation
+        recv_inverse = torch.empty_like(recv_index).index_copy_(
+            0, recv_index, torch.arange(recv_index.numel(), dtype=recv_index.dtype))
     return ExchangePlan(send_splits=send_splits, recv_splits=recv_splits, recv_counts=recv_counts,
                         local_tokens_per_expert=recv_counts.sum(dim=0), recv_index=recv_index,
-                        send_index=send_index, send_rows=sum(send_splits), recv_rows=sum(recv_splits))
+                        send_index=send_index, send_rows=sum(send_splits), recv_rows=sum(recv_splits),
+                        recv_inverse=recv_inverse)
 
 
 def dispatch_to_experts(buffer: Tensor, plan: ExchangePlan, group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -168,6 +176,8 @@ def dispatch_to_experts(buffer: Tensor, plan: ExchangePlan, group: Optional[dist
         send = buffer.new_zeros(plan.send_rows, buffer.shape[1]).index_copy(0, plan.send_index.to(buffer.device),
                                                                              buffer)
     received = _AllToAll.apply(send.contiguous(), plan.recv_splits, plan.send_splits, group)
+    if plan.recv_inverse is not None:
+        return _PermuteRows.apply(received, plan.recv_index.to(buffer.device), plan.recv_inverse.to(buffer.device))
     return received.index_select(0, plan.recv_index.to(buffer.device))
 
 
@@ -178,12 +188,34 @@ def combine_from_experts(expert_output: Tensor, plan: ExchangePlan, group: Optio
 
         back = combine_from_experts(y, plan, group)
     """
-    out = expert_output.new_zeros(plan.recv_rows, expert_output.shape[1]).index_copy(
-        0, plan.recv_index.to(expert_output.device), expert_output)
+    if plan.recv_inverse is not None:
+        out = _PermuteRows.apply(expert_output, plan.recv_inverse.to(expert_output.device),
+                                 plan.recv_index.to(expert_output.device))
+    else:  # fixed splits: padding rows travel too, as zeros
+        out = expert_output.new_zeros(plan.recv_rows, expert_output.shape[1]).index_copy(
+            0, plan.recv_index.to(expert_output.device), expert_output)
     returned = _AllToAll.apply(out, plan.send_splits, plan.recv_splits, group)
     if plan.send_index is not None:
         returned = returned.index_select(0, plan.send_index.to(expert_output.device))
     return returned
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for a permutation ``index``; backward gathers by its ``inverse``.
+
+    Autograd's own backward of ``index_select`` zero-fills a full-size gradient and scatter-adds
+    into it; for a permutation one gather is the whole job.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        inverse, = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 class _AllToAll(torch.autograd.Function):

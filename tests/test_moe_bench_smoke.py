@@ -44,6 +44,41 @@ def test_ep_probe_answers_without_raising(bench):
     assert isinstance(bench.ep_available(), bool)
 
 
+@pytest.fixture
+def importable_bench():
+    """The benchmark imported by name: spawned ranks unpickle its worker function by module name."""
+    import importlib
+
+    folder = str(_BENCH.parent)
+    sys.path.append(folder)  # appended: the folder's other scripts must not shadow installed modules
+    try:
+        yield importlib.import_module(_BENCH.stem)
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop(_BENCH.stem, None)
+
+
+def test_expert_parallel_run_on_tiny_sizes(importable_bench):
+    """--ep 2: two gloo processes, 2 of the 4 experts each over DeepSpeed's ep_size_2 group (its layer off)."""
+    bench = importable_bench
+    cfg = bench.BenchConfig(tokens=32, hidden=16, ffn=32, experts=4, reps=2, warmup=0)
+    modes = [m for m in bench.MODES if m.name in ("top-1", "P=2 dropless")]
+    rows = bench.run_ep(cfg, ep=2, modes=modes, with_deepspeed=False, timeout_s=180)
+    assert [r.mode for r in rows] == ["top-1", "P=2 dropless"]
+    for row in rows:
+        assert row.ep == 2 and row.ours_wall_s > 0 and row.ideal_wall_s > 0 and row.ds_wall_s is None
+        assert 0.0 <= row.ours_drop_rate <= 1.0 and row.ours_peak > 0
+    table = bench.format_ep_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "per rank" in table
+
+
+def test_mode_subset_parsing(bench):
+    assert [m.name for m in bench._parse_modes("top-1, P=2")] == ["top-1", "P=2"]
+    assert bench._parse_modes(None) == bench.MODES
+    with pytest.raises(SystemExit, match="unknown mode"):
+        bench._parse_modes("top-3")
+
+
 def test_peak_bytes_sees_allocations(bench):
     def step():
         torch.ones(1 << 20).sum()  # 4 MiB live for a moment
