@@ -31,8 +31,13 @@ def _targets(steps: int) -> list[torch.Tensor]:
 
 def _reference(batches: list[torch.Tensor], targets: list[torch.Tensor], w0: torch.Tensor, optimizer: str,
                params: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The plain full table: PackedEmbeddingCollection, sum pooling, its fused optimizer."""
-    emb = PackedEmbeddingCollection([TableSpec("t", N, D, pooling="sum", optimizer=optimizer, optimizer_params=params)])
+    """The plain full table: PackedEmbeddingCollection, sum pooling, its fused optimizer.
+
+    On the pure-torch kernels, whose arithmetic (and summation order) the cache's update
+    shares: the C++ kernels agree to float rounding (tests/test_picasso_ops.py), not bit for bit.
+    """
+    emb = PackedEmbeddingCollection([TableSpec("t", N, D, pooling="sum", optimizer=optimizer, optimizer_params=params)],
+                                    custom_ops=False)
     with torch.no_grad():
         emb.table_weight("t").copy_(w0)
     for ids, tgt in zip(batches, targets):
@@ -59,7 +64,7 @@ def test_cache_equals_no_cache(optimizer: str, prefetch: Optional[str]) -> None:
     steps = 40
     batches, targets = _batches(steps), _targets(steps)
     w0 = torch.empty(N, D).uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(2))
-    params = {"lr": 0.05}
+    params = {"lr": 0.005 if optimizer == "sgd" else 0.05}  # plain SGD at 0.05 diverges on the hot rows
     ref_w, ref_state = _reference(batches, targets, w0, optimizer, params)
     state_dims = {"rowwise_adagrad": {"momentum1": 1}, "adam": {"momentum1": D, "momentum2": D}}.get(optimizer, {})
     store = HostRowStore(N, D, state_dims, weight=w0)

@@ -75,7 +75,9 @@ def _check_all(rank: int, world: int, steps: int = 4, batch: int = 8) -> dict:
     for optimizer in OPTIMIZERS:
         for weighted in (False, True):
             torch.manual_seed(0)  # the reference (and so the initial weights) is the same on every rank
-            ref = PackedEmbeddingCollection(_specs(optimizer))
+            # the reference on the torch kernels: the replicas' deferred update is torch arithmetic, and the C++
+            # fused update agrees with it only to float rounding (up to ~1e-5 relative in Adam's momentum2)
+            ref = PackedEmbeddingCollection(_specs(optimizer), custom_ops=False)
             init = {k: v.clone() for k, v in ref.state_dict().items()}
             torch.manual_seed(rank)  # different RNG per rank: replicas must agree by construction, not by luck
             dp = DataParallelEmbeddingCollection(_specs(optimizer))

@@ -631,8 +631,10 @@ class PackedEmbeddingCollection(nn.Module):
         device: where buffers live.
         custom_ops: in fused mode, run float32 packs whose rows are table rows
             through ``picasso_ops.ops`` (C++ on CPU, Triton on CUDA; one op
-            call for the lookup and one for backward+update, same results);
-            other packs, and machines without the kernels, keep the torch path.
+            call for the lookup and one for backward+update; the same results
+            up to float summation order); other packs, and machines without
+            the kernels (one warning), keep the torch path. Default on; False
+            pins the pure-torch kernels (bitwise-reproducible references).
 
     Tables are initialised uniform in ``±sqrt(1 / num_embeddings)`` (torchrec's
     default), one table after another in spec order, so the initial weights
@@ -655,7 +657,7 @@ class PackedEmbeddingCollection(nn.Module):
         min_width: int = 4,
         mode: Mode = "fused",
         device: Optional[Union[torch.device, str]] = None,
-        custom_ops: bool = False,
+        custom_ops: bool = True,
     ) -> None:
         super().__init__()
         if mode not in ("fused", "autograd"):
