@@ -323,7 +323,7 @@ class GBAEngine:
         self.global_steps = 0  # local optimizer steps of this worker
         self.truth = "workers"  # where the current parameters live: "workers" (DeepSpeed) or "servers"
         self.monitor = ds_engine.monitor if ds_engine is not None else None
-        self.observer = Observer(rt.rank, self.monitor, self.mode)
+        self.observer = Observer(rt.rank, self.monitor, self.mode, micro * gas * self.num_workers)
         self.client: PSClient | None = None
         self.detector = StragglerDetector.from_config(gba.switch, self.num_workers, mode=self.mode)
         self._cmd_seq = 0
@@ -549,10 +549,13 @@ class GBAEngine:
         self._switched("gba", "sync", t0, st.nbytes, reason)
 
     def _position_scheduler(self, version: int) -> None:
-        # DeepSpeed's next optimizer step is update `version`: its scheduler must sit at iteration version - 1
+        # DeepSpeed's next optimizer step is update `version`: its scheduler must sit at iteration version - 1,
+        # and its step/sample clocks (checkpoint tags, the monitor's x-axis) must count the servers' updates too
         sched = self.ds_engine.lr_scheduler
         if sched is not None and version > 0:
             sched.step(version - 1)
+        self.ds_engine.global_steps = version
+        self.ds_engine.global_samples = version * self.ds_engine.train_batch_size()
 
     def _switched(self, src: str, dst: str, t0: float, nbytes: int, reason: str) -> None:
         self.mode = dst
@@ -566,7 +569,7 @@ class GBAEngine:
         local = self._local_s
         self._local_s = 0.0
         self.global_steps += 1
-        self.observer.on_step(self.micro_batch * self.gas, local)
+        self.observer.on_step(self.micro_batch * self.gas, local, self.version)
         store = self.rt.store
         store.set(f"gba/rate/{self.rt.rank}", repr(self.observer.samples_per_s))
         if self.gba.mode != "auto":
@@ -708,7 +711,7 @@ class GBAEngine:
         servers = [json.loads(store.get(f"gba/stats/{s}")) for s in range(self.rt.layout.num_servers)
                    if store.check([f"gba/stats/{s}"])]
         rates = {w: float(store.get(f"gba/rate/{w}")) for w in self.workers if store.check([f"gba/rate/{w}"])}
-        return self.observer.summary(servers, rates, step=self.global_steps)
+        return self.observer.summary(servers, rates)
 
     def close(self) -> None:
         """Leave the job: goodbye to the servers; the servers stop once every worker closed (or died)."""

@@ -36,8 +36,10 @@ class SwitchEvent:
 class Observer:
     """Collects one worker's view; ``rank == 0`` also writes monitor events."""
 
-    def __init__(self, rank: int, monitor: Any | None, mode: str) -> None:
+    def __init__(self, rank: int, monitor: Any | None, mode: str, global_batch: int = 1) -> None:
         self.rank = rank
+        self.global_batch = global_batch
+        self.version = 0  # global updates applied when this worker last looked
         self.monitor = monitor
         self.mode = mode
         self.switches: list[SwitchEvent] = []
@@ -46,12 +48,19 @@ class Observer:
         self.seconds = 0.0
         self.mode_steps: collections.Counter = collections.Counter()
 
+    @property
+    def x(self) -> int:
+        """The monitor's x-axis: updates x global batch, which is DeepSpeed's global samples (wandb drops any event
+        whose step is below one already logged, so every writer of a run must share one axis)."""
+        return self.version * self.global_batch
+
     def _write(self, events: Sequence[tuple[str, float, int]]) -> None:
         if self.rank == 0 and self.monitor is not None and getattr(self.monitor, "enabled", False):
             self.monitor.write_events(list(events))
 
-    def on_step(self, samples: int, seconds: float) -> None:
-        """One local optimizer step of ``samples`` samples that took ``seconds``."""
+    def on_step(self, samples: int, seconds: float, version: int = 0) -> None:
+        """One local optimizer step of ``samples`` samples that took ``seconds``, at model version ``version``."""
+        self.version = max(self.version, version)
         self.steps += 1
         self.samples += samples
         self.seconds += seconds
@@ -70,11 +79,10 @@ class Observer:
         if self.rank == 0:
             logger.warning("gba: switched %s -> %s at step %d in %.3fs moving %.2f MB (%s)", src, dst, step, seconds,
                            nbytes / 1e6, reason)
-        self._write([("gba/mode_is_gba", 1.0 if dst == "gba" else 0.0, step), ("gba/switch_seconds", seconds, step),
-                     ("gba/switch_mbytes", nbytes / 1e6, step)])
+        self._write([("gba/mode_is_gba", 1.0 if dst == "gba" else 0.0, self.x), ("gba/switch_seconds", seconds, self.x),
+                     ("gba/switch_mbytes", nbytes / 1e6, self.x)])
 
-    def summary(self, server_stats: Sequence[Mapping[str, Any]] = (), rates: Mapping[int, float] | None = None,
-                step: int | None = None) -> dict:
+    def summary(self, server_stats: Sequence[Mapping[str, Any]] = (), rates: Mapping[int, float] | None = None) -> dict:
         """The console summary dict (also written to the monitor on the first worker)."""
         staleness: collections.Counter = collections.Counter()
         tallies = collections.Counter()
@@ -100,7 +108,7 @@ class Observer:
             "lost_workers": sorted(lost),
             "samples_per_s": {int(k): float(v) for k, v in (rates or {self.rank: self.samples_per_s}).items()},
         }
-        at = self.steps if step is None else step
+        at = self.x
         events = [("gba/dropped", float(tallies["dropped"]), at), ("gba/decayed", float(tallies["decayed"]), at)]
         events += [(f"gba/samples_per_s/worker{r}", v, at) for r, v in out["samples_per_s"].items()]
         events += [(f"gba/staleness/{tau}", float(n), at) for tau, n in staleness.items()]

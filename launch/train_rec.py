@@ -314,6 +314,13 @@ def _save_due(every: int, progress: Progress, stream, taken_before: int, mode_be
     return stream.state()["batches_taken"] // period > taken_before // period
 
 
+def _monitor_x(engine, job: RecJob, progress: Progress, claimed: bool) -> int:
+    """The monitor's x-axis: the job's samples (with claimed batches: updates x global batch, as DeepSpeed counts)."""
+    if not claimed:
+        return progress.samples
+    return engine.version * job.micro_batch * job.grad_accum * job.world_size
+
+
 def _job_totals(samples: int, seconds: float, group: Any) -> tuple[int, float]:
     """Samples summed over the workers and the longest training time among them."""
     t = torch.tensor([float(samples)], dtype=torch.float64)
@@ -473,6 +480,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             break
         progress.step += 1
         progress.samples += step_samples
+        x = _monitor_x(engine, job, progress, claimed)
         samples_this_run += step_samples
         train_time += time.perf_counter() - t0
         bar.update(1)
@@ -480,13 +488,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             mean_loss = (running[0] / running[1]).item()
             running.zero_()
             bar.set_postfix(loss=f"{mean_loss:.4f}")
-            engine.monitor.write_events([("train/loss", mean_loss, progress.samples),
-                                         ("train/samples_per_s", progress.samples / max(train_time, 1e-9),
-                                          progress.samples)])
+            engine.monitor.write_events([("train/loss", mean_loss, x),
+                                         ("train/samples_per_s", progress.samples / max(train_time, 1e-9), x)])
         if args.eval_every and progress.step % args.eval_every == 0 and progress.step < args.steps:
             metrics = evaluate(engine, job)
             history.append({"step": progress.step, **metrics})
-            engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
+            engine.monitor.write_events([(f"eval/{k}", v, x) for k, v in metrics.items()])
         if args.save_every and _save_due(args.save_every, progress, stream, taken_before, mode_before, engine, job):
             last_ckpt = _save(engine, ckpt_dir, progress, stream)
     bar.close()
@@ -494,7 +501,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(f"training data ran out after {progress.step} steps ({progress.samples:,} samples)")
 
     metrics = evaluate(engine, job)
-    engine.monitor.write_events([(f"eval/{k}", v, progress.samples) for k, v in metrics.items()])
+    engine.monitor.write_events([(f"eval/{k}", v, _monitor_x(engine, job, progress, claimed))
+                                 for k, v in metrics.items()])
     if last_ckpt is None or Path(last_ckpt).name != _tag(progress, stream):
         last_ckpt = _save(engine, ckpt_dir, progress, stream)
     samples, rate = progress.samples, samples_this_run / max(train_time, 1e-9)

@@ -63,7 +63,7 @@ def test_expert_parallel_run_on_tiny_sizes(importable_bench):
     bench = importable_bench
     cfg = bench.BenchConfig(tokens=32, hidden=16, ffn=32, experts=4, reps=2, warmup=0)
     modes = [m for m in bench.MODES if m.name in ("top-1", "P=2 dropless")]
-    rows = bench.run_ep(cfg, ep=2, modes=modes, with_deepspeed=False, timeout_s=180)
+    rows = bench.run_ep(cfg, ep=2, modes=modes, with_deepspeed=False, timeout_s=55)
     assert [r.mode for r in rows] == ["top-1", "P=2 dropless"]
     for row in rows:
         assert row.ep == 2 and row.ours_wall_s > 0 and row.ideal_wall_s > 0 and row.ds_wall_s is None
