@@ -307,18 +307,23 @@ def run(cfg: BenchConfig, modes: Sequence[Mode] = MODES, with_deepspeed: bool = 
     return rows
 
 
+def tps(seconds: Optional[float], tokens: int) -> str:
+    """Tokens per second, or n/a (a layer DeepSpeed does not have)."""
+    return "n/a" if seconds is None else f"{tokens / seconds:,.0f}"
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    """a / b to two places, or n/a."""
+    return "n/a" if a is None or b is None else f"{a / b:.2f}"
+
+
+def mb(n: Optional[int]) -> str:
+    """Bytes as whole MiB, or n/a."""
+    return "n/a" if n is None else f"{n / 2**20:.0f}"
+
+
 def format_table(rows: Sequence[Row]) -> str:
     """Markdown table: speeds from thread CPU time medians; the wall-time ratio alongside."""
-
-    def tps(seconds: Optional[float], tokens: int) -> str:
-        return "n/a" if seconds is None else f"{tokens / seconds:,.0f}"
-
-    def ratio(a: Optional[float], b: Optional[float]) -> str:
-        return "n/a" if a is None or b is None else f"{a / b:.2f}"
-
-    def mb(n: Optional[int]) -> str:
-        return "n/a" if n is None else f"{n / 2**20:.0f}"
-
     lines = [
         "| mode | ours tok/s | DeepSpeed tok/s | ideal tok/s | ours/ideal | DS/ideal | ours/DS "
         "| ours/ideal (wall) | DS/ideal (wall) | peak MB ours / DS / ideal | ours drop rate |",
@@ -443,16 +448,6 @@ def run_ep(cfg: BenchConfig, ep: int = 2, modes: Sequence[Mode] = MODES, with_de
 
 def format_ep_table(rows: Sequence[EpRow]) -> str:
     """Markdown table for the expert-parallel run: speeds from wall-time medians (slower rank per step)."""
-
-    def tps(seconds: Optional[float], tokens: int) -> str:
-        return "n/a" if seconds is None else f"{tokens / seconds:,.0f}"
-
-    def ratio(a: Optional[float], b: Optional[float]) -> str:
-        return "n/a" if a is None or b is None else f"{a / b:.2f}"
-
-    def mb(n: Optional[int]) -> str:
-        return "n/a" if n is None else f"{n / 2**20:.0f}"
-
     lines = [
         "| mode | ours tok/s per rank | DeepSpeed tok/s per rank | ideal tok/s per rank | ours/ideal | DS/ideal "
         "| ours/DS | ours/ideal (thread CPU) | DS/ideal (thread CPU) | peak MB ours / DS / ideal | ours drop rate |",

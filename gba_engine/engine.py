@@ -461,8 +461,11 @@ class GBAEngine:
                 return self._next_claim()
         store.set(_out_key(phase, self.rt.rank), "1")
         live = Liveness(self.rt, self.workers)
-        while not all(store.check([_out_key(phase, w)]) for w in self.workers if w not in live.poll()):
-            time.sleep(_POLL_S)  # a dead worker is dropped by its missing heartbeat, so this cannot hang
+        waiting = set(self.workers)
+        while waiting:  # a dead worker is dropped by its missing heartbeat, so this cannot hang
+            waiting = {w for w in waiting - live.poll() if not store.check([_out_key(phase, w)])}
+            if waiting:
+                time.sleep(_POLL_S)
         return None
 
     def is_gradient_accumulation_boundary(self) -> bool:

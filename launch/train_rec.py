@@ -446,7 +446,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     calibration: list[float] = []
     while (claimed or progress.step < args.steps) and not exhausted:
         t0, step_samples = time.perf_counter(), 0
-        taken_before, mode_before = (stream.state()["batches_taken"], engine.mode) if claimed else (0, None)
+        # one store read per step, and only when periodic saves need to know where the step started
+        taken_before, mode_before = (stream.state()["batches_taken"], engine.mode) if claimed and args.save_every \
+            else (0, None)
         for _ in range(job.grad_accum):
             batch = next(batches, None)
             if claimed:  # no collective per micro-step: the engine says when the shared total is used up

@@ -66,3 +66,18 @@ def test_train_rec_gba_block_on_workers_and_a_server(tmp_path, mode, steps, stra
     else:
         assert switches[:2] == [("sync", "gba"), ("gba", "sync")], switches
         assert summary["gba"]["steps_per_mode"].get("gba", 0) > 0
+
+
+def test_gba_run_saves_by_job_batches_and_resumes_from_them(tmp_path):
+    """--save-every with numbered batches: checkpoints tagged by the job's batches; --resume takes only the rest."""
+    cfg, out = _config(tmp_path, "gba"), str(tmp_path / "run")
+    first = [*SMALL, "--steps", "4", "--save-every", "2", "--config", cfg, "--out", out]
+    w0, w1, _ = run_distributed(_run, 3, args=(first,), timeout_s=110, init_process_group=False)
+    assert w0["steps"] + w1["steps"] == 8 and w0["samples"] == 8 * 32
+    tags = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())
+    assert "batch8" in tags and len(tags) >= 2, tags  # a periodic save, then the final one at all 8 batches
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "batch8"
+    resumed = [*SMALL, "--steps", "6", "--config", cfg, "--out", out, "--resume"]
+    w0, w1, _ = run_distributed(_run, 3, args=(resumed,), timeout_s=110, init_process_group=False)
+    assert w0["local_samples"] + w1["local_samples"] == 4 * 32  # batches 8..11 of the job's 12
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "batch12"
