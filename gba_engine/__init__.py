@@ -17,6 +17,7 @@ _EXPORTS = {
     "GBAConfig": "config",
     "GBAEngine": "engine",
     "initialize": "engine",
+    "ServerEmbeddingBagCollection": "tables",
     "Observer": "observe",
     "StragglerDetector": "straggler",
     "TrainState": "switch",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -33,24 +34,38 @@ def shard_path(folder: str | os.PathLike, server: int, num_servers: int) -> Path
     return Path(folder) / f"gba_server_{server}_of_{num_servers}.pt"
 
 
-def save_shard(state: TrainState, folder: str | os.PathLike, server: int, num_servers: int) -> Path:
-    """Write one shard atomically (a temporary file renamed into place: a crash never leaves half a file)."""
+def save_shard(state: TrainState, folder: str | os.PathLike, server: int, num_servers: int,
+               tables: Mapping[str, dict] | None = None) -> Path:
+    """Write one shard atomically (a temporary file renamed into place: a crash never leaves half a file).
+
+    ``tables`` is the server's :meth:`~gba_engine.ps.ParameterServer.export_tables` (rows it owns, their
+    optimizer state and step counts); absent when the job keeps no tables on the servers.
+    """
     path = shard_path(folder, server, num_servers)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"params": state.params, "moments": state.moments, "step": state.step, "version": state.version,
-                "server": server, "num_servers": num_servers}, tmp)
+                "server": server, "num_servers": num_servers, "tables": dict(tables or {})}, tmp)
     os.replace(tmp, path)
     logger.info("server %d saved version %d to %s", server, state.version, path)
     return path
 
 
 def load_shard(folder: str | os.PathLike, server: int, num_servers: int) -> TrainState:
-    """Read one shard; a missing file or a different number of servers is a clear error."""
+    """Read one shard's dense state; a missing file or a different number of servers is a clear error."""
+    return TrainState(*_read(folder, server, num_servers)[:4])
+
+
+def load_tables(folder: str | os.PathLike, server: int, num_servers: int) -> dict[str, dict]:
+    """Read one shard's tables (``{}`` for a job without tables on the servers)."""
+    return _read(folder, server, num_servers)[4]
+
+
+def _read(folder: str | os.PathLike, server: int, num_servers: int) -> tuple:
     path = shard_path(folder, server, num_servers)
     if not path.exists():
         found = sorted(p.name for p in Path(folder).glob("gba_server_*.pt")) if Path(folder).is_dir() else []
         raise FileNotFoundError(f"no parameter-server shard {path.name} in {folder} (found {found}); "
                                 f"a checkpoint restores with the num_servers it was written with")
     raw = torch.load(path, weights_only=True)
-    return TrainState(raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]))
+    return raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]), dict(raw.get("tables", {}))

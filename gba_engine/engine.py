@@ -46,15 +46,16 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from sparse_scale.config import parse_config, read_config_file
 
-from .checkpoint import load_shard, save_shard
+from .checkpoint import load_shard, load_tables, save_shard
 from .claims import BatchClaims
 from .config import GBAConfig
 from .observe import Observer
 from .ps import OptimizerSpec, ParameterServer, PSClient, PSRuntime, init_runtime, layout
 from .ps.runtime import Liveness
 from .ps.schedule import ServerLRSchedule
-from .ps.sharding import DenseSharding
+from .ps.sharding import DenseSharding, EmbeddingSpec
 from .straggler import StragglerDetector
+from .tables import server_tables
 from .switch import (TrainState, moment_names, recv_state, send_state, state_from_deepspeed, state_from_server,
                      state_into_deepspeed, state_into_server, wait_sent)
 
@@ -182,13 +183,14 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     spec = _check(ds, gba, dist.get_world_size(), source)
+    tables, collections = server_tables(model)
     rt = init_runtime(gba)
     singles = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist.get_world_size())]  # every rank creates all
     flat0 = parameters_to_vector([p.detach().float() for p in model.parameters()]).clone()
     micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
     gas = int(ds.get("gradient_accumulation_steps", 1))
     if rt.is_server:
-        loop = _ServerLoop(rt, gba, spec, flat0, _schedule(ds, spec))
+        loop = _ServerLoop(rt, gba, spec, flat0, _schedule(ds, spec), tables)
         stats = loop.run()
         rt.close()
         return GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model, micro=micro, gas=gas,
@@ -198,24 +200,33 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     ds_engine, _, _, _ = deepspeed.initialize(model=model, config=ds, mpu=_WorkerMPU(rt.worker_group, singles[rt.rank]),
                                               model_parameters=model_parameters if model_parameters is not None
                                               else model.parameters(), **deepspeed_kwargs)
-    return GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=model, micro=micro, gas=gas)
+    engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=model, micro=micro, gas=gas,
+                       tables=tables)
+    for c in collections:
+        c.bind(engine)
+    return engine
 
 
 class _ServerLoop:
     """Runs on a server rank: executes the first worker's commands (put/get state, serve, save, load)."""
 
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, flat0: torch.Tensor,
-                 schedule: ServerLRSchedule | None) -> None:
+                 schedule: ServerLRSchedule | None, tables: list[EmbeddingSpec]) -> None:
         self.rt, self.gba, self.spec, self.schedule = rt, gba, spec, schedule
         self.index = rt.layout.server_index(rt.rank)
         self.numel = flat0.numel()
         start, end = DenseSharding(self.numel, rt.layout.num_servers).bounds[self.index]
         self.state = TrainState(flat0[start:end].clone(), {k: torch.zeros(end - start) for k in moment_names(spec)},
                                 0, 0)
+        # one shard for the whole job: its tables (rows + optimizer state) persist across sync and gba phases
+        self.ps = ParameterServer(rt, gba, self.numel, tables, spec, dense_init=flat0, on_tick=self.tick,
+                                  lr_schedule=schedule)
+        self.tables = tables
         self.totals: dict = {"received": 0, "counted": 0, "dropped": 0, "decayed": 0, "staleness": {},
                              "lost_workers": [], "version": 0, "pushes": {}}
         self.last_save = 0
         self.phase = 0  # gba phases served so far (the engine numbers them the same way)
+        self.dense_phase = True
 
     def _publish(self, live: dict | None = None) -> None:
         out = json.loads(json.dumps(self.totals))
@@ -230,11 +241,15 @@ class _ServerLoop:
     def tick(self, ps: ParameterServer) -> None:
         """During a gba phase: answer a pending save request, publish live stats."""
         if self.rt.store.check(["gba/save_req"]):
-            req_id, _, path = self.rt.store.get("gba/save_req").decode().partition("|")
-            if int(req_id) > self.last_save:
+            req_id, min_version, path = self.rt.store.get("gba/save_req").decode().split("|", 2)
+            # sync phase: wait until the rows hold the update of the workers' last global batch
+            if int(req_id) > self.last_save and ps.version >= int(min_version):
                 self.last_save = int(req_id)
-                save_shard(state_from_server(ps), path, self.index, self.rt.layout.num_servers)
+                save_shard(state_from_server(ps), path, self.index, self.rt.layout.num_servers,
+                           tables=ps.export_tables())
                 self.rt.store.set(f"gba/save_done/{req_id}/{self.index}", "1")
+        if not self.dense_phase:
+            return  # a tables-only (sync) phase: no end-of-data protocol, and its pushes are not gba's statistics
         if not ps.data_ended and self.rt.store.check([_exhausted_key(self.phase)]):
             ps.end_of_data()  # no worker may wait for pushes that will never come
         self._publish({**ps.control.stats.as_dict(), "version": ps.version})
@@ -266,11 +281,15 @@ class _ServerLoop:
                 seq += 1
                 continue
             elif op == "serve":
-                reply = self._serve(int(cmd["m"]))
+                reply = self._serve(int(cmd["m"]), dense=bool(cmd.get("dense", True)))
             elif op == "save":
-                save_shard(self.state, cmd["path"], self.index, self.rt.layout.num_servers)
+                save_shard(self.state, cmd["path"], self.index, self.rt.layout.num_servers,
+                           tables=self.ps.export_tables())
             elif op == "load":
                 self.state = load_shard(cmd["path"], self.index, self.rt.layout.num_servers)
+                if self.tables:
+                    self.ps.import_tables(load_tables(cmd["path"], self.index, self.rt.layout.num_servers))
+                    state_into_server(self.ps, self.state)  # the token clock of the rows: the checkpoint's version
             else:
                 raise RuntimeError(f"server {self.index}: unknown command {cmd!r}")
             self._publish()
@@ -279,15 +298,23 @@ class _ServerLoop:
         self._publish()
         return self.totals
 
-    def _serve(self, m: int) -> dict:
-        self.phase += 1
-        full = torch.zeros(self.numel)  # ParameterServer keeps only its range of dense_init
-        start, end = DenseSharding(self.numel, self.rt.layout.num_servers).bounds[self.index]
-        full[start:end] = self.state.params
-        ps = ParameterServer(self.rt, self.gba, self.numel, [], self.spec, grads_per_update=m, dense_init=full,
-                             on_tick=self.tick, lr_schedule=self.schedule)
-        state_into_server(ps, self.state)
+    def _serve(self, m: int, dense: bool) -> dict:
+        """One phase: gba (dense + tables through the servers) or, with ``dense=False``, sync's tables-only serving."""
+        ps = self.ps
+        self.dense_phase = dense
+        ps.begin_phase(m, dense=dense)
+        if dense:
+            self.phase += 1
+            if self.tables and self.state.version != ps.version:
+                logger.warning("server %d: dense state at version %d, tables at %d", self.index, self.state.version,
+                               ps.version)
+            state_into_server(ps, self.state)
         stats = ps.serve(until_version=None)
+        if not dense:
+            self.state.version = ps.version  # the rows' updates are the job's global batches
+            self.totals["version"] = ps.version
+            self.totals["lost_workers"] = sorted(set(self.totals["lost_workers"]) | set(stats.lost_workers))
+            return {"version": ps.version, "lost_workers": stats.lost_workers}
         self.state = state_from_server(ps)
         t = self.totals
         for k in ("received", "counted", "dropped", "decayed"):
@@ -311,8 +338,11 @@ class GBAEngine:
     """
 
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, ds_engine, module: torch.nn.Module,
-                 micro: int, gas: int, server_stats: dict | None = None) -> None:
+                 micro: int, gas: int, server_stats: dict | None = None,
+                 tables: list[EmbeddingSpec] | None = None) -> None:
         self.rt, self.gba, self.spec, self.ds_engine, self.module = rt, gba, spec, ds_engine, module
+        self.tables = list(tables or [])  # ServerEmbeddingBagCollection tables: rows on the servers in every mode
+        self._pulled_rows: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (table, unique ids, leaf) this step
         self.micro_batch, self.gas = micro, gas
         self.server_stats = server_stats
         self.is_server = rt.is_server
@@ -342,6 +372,8 @@ class GBAEngine:
         self._worker_live = Liveness(rt, self.workers) if not self.is_server else None
         if not self.is_server:
             atexit.register(self.close)
+            if self.mode == "sync":
+                self._begin_table_phase()
 
     # ------------------------------------------------------------------ DeepSpeedEngine surface
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -383,6 +415,7 @@ class GBAEngine:
             boundary = self.ds_engine.is_gradient_accumulation_boundary()
             self.ds_engine.step()
             if boundary:
+                self._push_rows()
                 self.version += 1
         if boundary:
             self._after_update()
@@ -486,15 +519,91 @@ class GBAEngine:
 
     def _push(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.module.parameters()]
-        self.client.push(parameters_to_vector(grads), {}, {}, self._token, num_samples=self.micro_batch * self.gas)
+        ids, rows = self._row_grads()
+        self.client.push(parameters_to_vector(grads), ids, rows, self._token, num_samples=self.micro_batch * self.gas)
         for p in self.module.parameters():
             p.grad = None
         self._token, self._micro = None, 0
         self._phase_pushes += 1
 
+    # ------------------------------------------------------------------ tables on the servers (every mode)
+    def fetch_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows of unique ``ids`` per server table (what a bound ``ServerEmbeddingBagCollection`` asks for).
+
+        Sync: waits for the update of this worker's previous global batch (``min_version``),
+        so every worker reads the rows sync training would. gba: the servers' current rows.
+        The wait is not counted as this worker's step time (it waits on its peers).
+        """
+        self._worker_only("fetch_rows")
+        if self.client is None:
+            if self.mode == "gba":
+                self._enter_gba()
+            else:
+                raise RuntimeError("server tables need the parameter servers' client: none is open (after close()?)")
+        t0 = time.perf_counter()
+        got = self.client.pull(dict(ids), dense=False, min_version=self.version if self.mode == "sync" else None)
+        self._local_s -= time.perf_counter() - t0
+        if self.mode == "sync" and self._token is None and self.module.training:
+            self._token = got.token
+        return got.rows
+
+    def record_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keep a pulled leaf; its gradient goes to the servers at the step boundary."""
+        self._pulled_rows.append((table, ids, rows))
+
+    def table_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The servers' rows of ``table`` for ``ids`` (evaluation, export, tests): ``ids.shape + (dim,)``.
+
+        Sync: the rows after this worker's last global batch; gba: the servers' current rows.
+
+        Example::
+
+            engine.table_rows("user", torch.arange(10))       # [10, dim]
+        """
+        self._worker_only("table_rows")
+        if self.client is None:
+            raise RuntimeError("no parameter-server client is open: call table_rows during training, before close()")
+        min_version = self.version if self.mode == "sync" else None  # sync: after this worker's last global batch
+        return self.client.pull({table: ids}, dense=False, min_version=min_version).rows[table]
+
+    def _row_grads(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        ids: dict[str, list] = {}
+        grads: dict[str, list] = {}
+        for table, unique, leaf in self._pulled_rows:
+            if leaf.grad is not None:
+                ids.setdefault(table, []).append(unique)
+                grads.setdefault(table, []).append(leaf.grad)
+        self._pulled_rows = []
+        return ({t: torch.cat(v) for t, v in ids.items()}, {t: torch.cat(v) for t, v in grads.items()})
+
+    def _push_rows(self) -> None:
+        """Sync mode: this worker's row gradients of the global batch (the servers apply all N at once)."""
+        if not self.tables:
+            return
+        if self._token is None:  # no lookup this step: the servers still count this worker's share of the batch
+            self._token = self.client.pull({}, dense=False, min_version=self.version).token
+        ids, rows = self._row_grads()
+        self.client.push(None, ids, rows, self._token, num_samples=self.micro_batch * self.gas)
+        self._token = None
+
+    def _begin_table_phase(self) -> None:
+        """Sync mode with server tables: the servers serve the rows (no dense part), one update per global batch."""
+        if not self.tables:
+            return
+        if self.rt.rank == self.workers[0]:
+            self._command("serve", m=self.num_workers, dense=False)  # acknowledged when the phase ends
+        self.client = PSClient(self.rt, sum(p.numel() for p in self.module.parameters()), self.tables,
+                               tables_only=True)
+
+    def _end_table_phase(self) -> None:
+        if self.client is not None:
+            self.client.close()  # the servers' phase ends once every worker said goodbye
+            self.client = None
+
     def _enter_gba(self, reason: str = "mode gba", slow: frozenset = frozenset()) -> None:
         t0 = time.perf_counter()
         nbytes = 0
+        self._end_table_phase()
         first = self.rt.rank == self.workers[0]
         if self.truth == "workers":
             st = state_from_deepspeed(self.ds_engine, self.spec, self.version)  # collective under ZeRO
@@ -512,7 +621,7 @@ class GBAEngine:
         self._phase_v0, self._phase_pushes, self._token, self._micro = self.version, 0, None, 0
         if self._claims is not None:
             self._claims.enter_gba(self._phase, self._claims.taken)  # sync lockstep: the same base everywhere
-        self.client = PSClient(self.rt, sum(p.numel() for p in self.module.parameters()), [])
+        self.client = PSClient(self.rt, sum(p.numel() for p in self.module.parameters()), self.tables)
         # the workers that made us switch stay slow until a full window of their own times says otherwise
         self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="gba", slow=slow)
         self._switched(self.observer.mode, "gba", t0, nbytes, reason)
@@ -548,6 +657,7 @@ class GBAEngine:
             dist.all_reduce(free, op=dist.ReduceOp.MAX, group=self.rt.worker_group)
             self._claims.enter_sync(int(free))
         self.version, self.truth, self.mode = version, "workers", "sync"
+        self._begin_table_phase()
         self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="sync")
         self._switched("gba", "sync", t0, st.nbytes, reason)
 
@@ -646,8 +756,9 @@ class GBAEngine:
                         client_state: dict | None = None) -> str:
         """Save where the truth lives: the workers' full state (sync) or the server shards (gba); returns the folder.
 
-        In sync mode every worker must call it (ZeRO state is gathered over the workers); in gba
-        mode only the first worker waits for the servers, the others return at once.
+        Server tables are saved by the servers in every mode (rows, their optimizer state, the
+        version). In sync mode every worker must call it (ZeRO state is gathered over the
+        workers); in gba mode only the first worker waits for the servers, the others return at once.
         """
         self._worker_only("save_checkpoint")
         tag = tag or f"global_step{self.global_steps}"
@@ -660,9 +771,11 @@ class GBAEngine:
                 folder.mkdir(parents=True, exist_ok=True)
                 torch.save({"params": st.params, "moments": st.moments, "step": st.step, "version": st.version},
                            folder / "gba_worker_state.pt")
-        elif first:
+        if first and (self.truth == "servers" or self.tables):
             self._save_id += 1
-            self.rt.store.set("gba/save_req", f"{self._save_id}|{folder}")
+            # sync: the servers save once the rows hold the last global batch (every worker has pushed it)
+            min_version = self.version if self.mode == "sync" else 0
+            self.rt.store.set("gba/save_req", f"{self._save_id}|{min_version}|{folder}")
             keys = [f"gba/save_done/{self._save_id}/{s}" for s in range(self.rt.layout.num_servers)]
             deadline = time.monotonic() + self.rt.timeout_s
             while not self.rt.store.check(keys):
@@ -673,7 +786,8 @@ class GBAEngine:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "gba_meta.json").write_text(json.dumps({"truth": self.truth, "mode": self.mode,
                                                               "version": self.version,
-                                                              "num_servers": self.rt.layout.num_servers}))
+                                                              "num_servers": self.rt.layout.num_servers,
+                                                              "tables": [t.name for t in self.tables]}))
             torch.save(client_state or {}, folder / "client_state.pt")
             (Path(save_dir) / "latest").write_text(tag)
         return str(folder)
@@ -681,7 +795,7 @@ class GBAEngine:
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str | None, dict]:
         """Restore a checkpoint written by :meth:`save_checkpoint`; call it before training or in sync mode."""
         self._worker_only("load_checkpoint")
-        if self.client is not None:
+        if self.mode == "gba" and self.client is not None:
             raise RuntimeError("load_checkpoint must be called before training starts or in sync mode, not in gba")
         latest = Path(load_dir) / "latest"
         if tag is None:
@@ -690,22 +804,33 @@ class GBAEngine:
             tag = latest.read_text().strip()
         folder = Path(load_dir) / tag
         meta = json.loads((folder / "gba_meta.json").read_text())
+        if bool(meta.get("tables")) != bool(self.tables):
+            raise ValueError(f"{folder}: checkpoint {'has' if meta.get('tables') else 'has no'} server tables, this "
+                             f"model {'has' if self.tables else 'has none'}")
+        self._end_table_phase()  # the servers read commands only between phases
         if meta["truth"] == "workers":
             raw = torch.load(folder / "gba_worker_state.pt", weights_only=True)
             st = TrainState(raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]))
             state_into_deepspeed(self.ds_engine, st, self.spec)
             self._position_scheduler(st.version)
             self.version, self.truth = st.version, "workers"
+            if self.tables:
+                self._load_on_servers(folder)
+                if self.mode == "sync":
+                    self._begin_table_phase()
             return str(folder), torch.load(folder / "client_state.pt", weights_only=False)
-        if self.rt.rank == self.workers[0]:
-            self._wait_acks(self._command("load", path=str(folder)))
-        dist.barrier(group=self.rt.worker_group)  # nobody pulls before the servers hold the restored state
+        self._load_on_servers(folder)
         self.version, self.truth = int(meta["version"]), "servers"
         if self.mode == "sync":  # bring the restored state into DeepSpeed
             self.mode = "gba"
             self._enter_gba("restore")
             self._leave_gba("restore")
         return str(folder), torch.load(folder / "client_state.pt", weights_only=False)
+
+    def _load_on_servers(self, folder: Path) -> None:
+        if self.rt.rank == self.workers[0]:
+            self._wait_acks(self._command("load", path=str(folder)))
+        dist.barrier(group=self.rt.worker_group)  # nobody pulls before the servers hold the restored state
 
     # ------------------------------------------------------------------ end of job
     def summary(self) -> dict:

@@ -14,6 +14,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -64,7 +65,8 @@ def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_time
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # plain pickle copies tensors: torch's queue would share them through fds that die with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -147,7 +149,7 @@ def run_distributed(
             if rank in expect_exit:
                 raise DistributedRunError(f"rank {rank} was expected to exit with code {expect_exit[rank]} "
                                           f"but returned {payload!r}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         _stop_all(procs)
     return [outputs[r] for r in range(world_size)]

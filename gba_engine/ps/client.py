@@ -60,7 +60,9 @@ class PSClient:
         rows = client.get_rows("user", torch.tensor([3, 3, 9]))     # [3, 16], duplicates allowed
     """
 
-    def __init__(self, runtime: PSRuntime, dense_numel: int, embedding_specs: Sequence[EmbeddingSpec]) -> None:
+    def __init__(self, runtime: PSRuntime, dense_numel: int, embedding_specs: Sequence[EmbeddingSpec], *,
+                 tables_only: bool = False) -> None:
+        # tables_only: the servers serve a tables-only phase (sync mode): pushes carry no dense gradient
         if runtime.is_server:
             raise ValueError(f"rank {runtime.rank} is a parameter server; PSClient runs on workers")
         self.rt = runtime
@@ -71,6 +73,7 @@ class PSClient:
             raise ValueError(f"embedding table names must be unique, got {[s.name for s in embedding_specs]}")
         self._order = [s.name for s in embedding_specs]  # the wire order of tables
         self.dense = DenseSharding(dense_numel, self.num_servers)
+        self.tables_only = tables_only
         self.schema = schema_id(dense_numel, embedding_specs)
         self._seq = {s: 0 for s in self.servers}
         self._outgoing: list[Outgoing] = []
@@ -89,6 +92,8 @@ class PSClient:
         waits for the update its last push belongs to. GBA training pulls without it.
         """
         self._usable()
+        if dense and self.tables_only:
+            raise ValueError("a tables-only client cannot pull the dense vector (DeepSpeed holds it in sync mode)")
         mins = self._per_server(min_version, "min_version") if min_version is not None else (-1,) * self.num_servers
         routes = {name: RowRoute.build(self._checked(name, t), self.num_servers) for name, t in (ids or {}).items()}
         per_server = {name: r.server_ids() for name, r in routes.items()}
@@ -223,7 +228,9 @@ class PSClient:
         return per_server[name][i] if name in per_server else torch.empty(0, dtype=torch.int64)
 
     def _dense_parts(self, flat: Tensor | None) -> list[Tensor | None]:
-        if self.dense.numel == 0:
+        if self.dense.numel == 0 or self.tables_only:
+            if flat is not None and self.dense.numel:
+                raise ValueError("a tables-only client pushes row gradients only, got a dense gradient")
             return [None] * self.num_servers
         if flat is None:
             raise ValueError(f"a dense vector of {self.dense.numel} elements is required")

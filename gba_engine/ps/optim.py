@@ -128,6 +128,34 @@ class RowOptimizer(abc.ABC):
         """Overwrite row values (initialisation, cache write-back); optimizer state is kept."""
         self.weight[rows] = values.to(torch.float32)
 
+    def state_dict(self) -> dict[str, Tensor | int]:
+        """Copies of the shard's weight, every per-row state tensor and the step count (for checkpoints).
+
+        Example::
+
+            table.state_dict().keys()      # dict_keys(['weight', 'exp_avg', 'exp_avg_sq', 'steps'])
+        """
+        out: dict[str, Tensor | int] = {"weight": self.weight.clone()}
+        out.update({k: v.clone() for k, v in self._state_tensors().items()})
+        out["steps"] = self.steps
+        return out
+
+    def load_state_dict(self, state: dict[str, Tensor | int]) -> None:
+        """Install a :meth:`state_dict` of a shard of the same shape and optimizer; a mismatch is a clear error."""
+        want = {"weight", "steps", *self._state_tensors()}
+        if set(state) != want:
+            raise ValueError(f"table state has keys {sorted(state)}, this {type(self).__name__} needs {sorted(want)}")
+        for key, mine in {"weight": self.weight, **self._state_tensors()}.items():
+            if state[key].shape != mine.shape:
+                raise ValueError(f"table state {key!r} has shape {tuple(state[key].shape)}, this shard "
+                                 f"{tuple(mine.shape)}: was it saved with another num_servers or table size?")
+            mine.copy_(state[key])
+        self.steps = int(state["steps"])
+
+    def _state_tensors(self) -> dict[str, Tensor]:
+        """Per-row optimizer state by name (none for plain SGD)."""
+        return {}
+
     @abc.abstractmethod
     def _update(self, rows: Tensor, grad: Tensor) -> None:
         """Update ``self.weight[rows]`` and the optimizer state of those rows from ``grad``."""
@@ -163,6 +191,9 @@ class LazySGD(RowOptimizer):
             self.started[rows] = True
             d_p = d_p.add(buf, alpha=self.momentum) if self.nesterov else buf
         self.weight[rows] = p.add(d_p, alpha=-self.lr)
+
+    def _state_tensors(self) -> dict[str, Tensor]:
+        return {"momentum_buffer": self.buf, "started": self.started} if self.momentum else {}
 
 
 class LazyAdam(RowOptimizer):
@@ -201,6 +232,9 @@ class LazyAdam(RowOptimizer):
         self.exp_avg_sq[rows] = v
         self.weight[rows] = p.addcdiv(m, denom, value=-self.lr / bias1)
 
+    def _state_tensors(self) -> dict[str, Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
 
 class LazyAdagrad(RowOptimizer):
     """torch.optim.Adagrad on the present rows (per-row accumulators)."""
@@ -222,3 +256,6 @@ class LazyAdagrad(RowOptimizer):
         s = self.state_sum[rows].addcmul(g, g, value=1)
         self.state_sum[rows] = s
         self.weight[rows] = p.addcdiv(g, s.sqrt().add_(self.eps), value=-clr)
+
+    def _state_tensors(self) -> dict[str, Tensor]:
+        return {"sum": self.state_sum}

@@ -168,6 +168,7 @@ class ParameterServer:
         self._stalls = 0
         self._finished = False
         self.data_ended = False  # after end_of_data(): pulls no longer wait for a min_version
+        self._dense_active = True  # False in a tables-only phase (sync mode: DeepSpeed owns the dense part)
         logger.info("PS %d (rank %d): dense [%d, %d), tables %s, M=%d", self.index, runtime.rank, start, end,
                     {s.name: s.local_rows(self.index, self.num_servers) for s in self.specs}, m)
 
@@ -176,9 +177,7 @@ class ParameterServer:
             if full.shape != (spec.num_rows, spec.dim):
                 raise ValueError(f"table_init[{spec.name!r}] must be [{spec.num_rows}, {spec.dim}], got {tuple(full.shape)}")
             return full[self.index::self.num_servers]
-        gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + self.index)  # distinct stream per shard
-        rows = spec.local_rows(self.index, self.num_servers)
-        return torch.randn(rows, spec.dim, generator=gen) * spec.init_std
+        return spec.initial_shard(self.index, self.num_servers)
 
     @property
     def version(self) -> int:
@@ -241,6 +240,51 @@ class ParameterServer:
         self.control = TokenControl(self.control.m, self.control.decay, version=state.version)
         self.control.stats = stats  # the token history of this server survives a restore
         self.rt.store.set(version_key(self.rt.rank), str(state.version))
+
+    def export_tables(self) -> dict[str, dict]:
+        """Copies of every table shard with its row optimizer state and step count (for checkpoints).
+
+        Example::
+
+            ps.export_tables()["user"].keys()      # dict_keys(['weight', 'exp_avg', 'exp_avg_sq', 'steps'])
+        """
+        return {name: table.state_dict() for name, table in self._tables.items()}
+
+    def import_tables(self, tables: Mapping[str, dict]) -> None:
+        """Install :meth:`export_tables` output; the table names must be exactly this server's."""
+        if set(tables) != set(self._tables):
+            raise ValueError(f"PS {self.index}: checkpoint has tables {sorted(tables)}, this job {sorted(self._tables)}")
+        for name, state in tables.items():
+            try:
+                self._tables[name].load_state_dict(state)
+            except ValueError as exc:
+                raise ValueError(f"PS {self.index}, table {name!r}: {exc}") from exc
+
+    def begin_phase(self, grads_per_update: int, dense: bool = True) -> None:
+        """Prepare one more :meth:`serve` on this shard (the engine serves one per training phase).
+
+        ``dense=False`` serves the tables only (sync mode: DeepSpeed all-reduces the dense
+        parameters, the servers update the rows once per global batch of M pushes); pushes
+        then carry no dense gradient. Workers that said goodbye connect again with new
+        clients; dead ones stay dead. Gradients of an unfinished global batch are discarded.
+
+        Example::
+
+            ps.begin_phase(grads_per_update=4, dense=False); ps.serve()     # a sync phase
+        """
+        if self.control.pending:
+            logger.warning("PS %d: discarding %d gradients of an unfinished global batch at version %d",
+                           self.index, self.control.pending, self.version)
+        self.control = TokenControl(grads_per_update, self.control.decay, version=self.version)
+        self._dense_active = dense
+        start, end = self.dense_range
+        self._buffer = GlobalBatchBuffer(end - start if dense else 0, {s.name: s.dim for s in self.specs})
+        for w, peer in self._peers.items():
+            if peer is not _Peer.DEAD:
+                self._peers[w], self._next_seq[w] = _Peer.ACTIVE, 0
+        self._silent_since.clear()
+        self._deferred, self._pushes, self._drained, self._stalls = [], collections.Counter(), 0, 0
+        self._finished = self.data_ended = False
 
     # ----------------------------------------------------------------- event loop
     def serve(self, until_version: int | None = None, max_seconds: float | None = None) -> ServeStats:
@@ -361,6 +405,9 @@ class ParameterServer:
         self._answer_deferred()
 
     def _on_pull(self, src: int, header: Header, ints: Tensor) -> None:
+        if header.flags & FLAG_DENSE and not self._dense_active:
+            raise ProtocolError(f"PS {self.index}: worker {src} asked for dense parameters in a tables-only phase, "
+                                "where the servers' dense copy is stale (DeepSpeed holds the current one)")
         pull = _PendingPull(src=src, seq=header.seq, min_version=header.min_version,
                             want_dense=bool(header.flags & FLAG_DENSE), rows=self._rows_of(ints))
         if self._finished or self.data_ended or pull.min_version <= self.version:
@@ -413,7 +460,7 @@ class ParameterServer:
                 group["lr"] = lr
             for table in self._tables.values():
                 table.lr = lr
-        if self._dense_opt is not None:
+        if self._dense_opt is not None and self._dense_active:
             self._dense.grad = batch.dense
             self._dense_opt.step()
             self._dense.grad = None

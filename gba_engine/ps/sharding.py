@@ -53,6 +53,26 @@ class EmbeddingSpec:
         """Rows of this table held by ``server`` (ids server, server + S, ...)."""
         return max(0, (self.num_rows - server + num_servers - 1) // num_servers)
 
+    def initial_shard(self, server: int, num_servers: int) -> Tensor:
+        """The N(0, init_std) rows server ``server`` starts with (local row i is id ``i * S + server``).
+
+        Each shard draws from its own seeded stream, so no rank ever materialises the full table.
+        """
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + server)
+        return torch.randn(self.local_rows(server, num_servers), self.dim, generator=gen) * self.init_std
+
+    def initial_table(self, num_servers: int) -> Tensor:
+        """The whole starting table as ``num_servers`` servers hold it (for references and small tables).
+
+        Example::
+
+            full = EmbeddingSpec("item", 10, 4).initial_table(num_servers=2)   # [10, 4]; row 3 from server 1
+        """
+        full = torch.empty(self.num_rows, self.dim)
+        for s in range(num_servers):
+            full[s::num_servers] = self.initial_shard(s, num_servers)
+        return full
+
     def check_ids(self, ids: Tensor) -> None:
         """Raise a clear error for non-int64 or out-of-range ids."""
         if ids.dtype != torch.int64:
