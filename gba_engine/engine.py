@@ -26,8 +26,11 @@ loop is therefore::
     engine.close()                            # also called at exit
 
 The config's learning-rate scheduler runs on the servers too, as a function of the version
-(``ps/schedule.py``: DeepSpeed's own classes), so sync, gba and auto follow one curve.
-Gradient clipping is not applied on the servers: ``initialize`` rejects it in gba/auto mode.
+(``ps/schedule.py``: DeepSpeed's own classes), so sync, gba and auto follow one curve, and so
+does ``gradient_clipping`` (DeepSpeed's default 1.0 when absent): the servers clip the
+global-batch dense gradient by its norm over all shards, as DeepSpeed clips the all-reduced
+one. Rows of server tables are not clipped in any mode (DeepSpeed's norm covers its own
+parameters only).
 """
 from __future__ import annotations
 
@@ -148,13 +151,17 @@ def _check(ds: dict, gba: GBAConfig, world: int, source: str) -> OptimizerSpec:
                          "(stage 2 reduces gradients inside backward, which gba mode must keep local)")
     if gba.mode != "sync" and (ds.get("fp16", {}).get("enabled") or ds.get("bf16", {}).get("enabled")):
         raise ValueError(f"{source}: gba.mode={gba.mode!r} needs fp32 training (the servers hold fp32 state)")
-    if gba.mode != "sync" and ds.get("gradient_clipping"):
-        raise ValueError(f"{source}: gba.mode={gba.mode!r} with gradient_clipping={ds['gradient_clipping']}: the "
-                         "parameter servers apply the optimizer unclipped, so sync and gba steps would differ; "
-                         "remove gradient_clipping (or set it to 0) or use mode \"sync\"")
-    if gba.mode != "sync":
-        ds["gradient_clipping"] = 0.0  # DeepSpeed 0.19.8 clips at 1.0 by default; the servers never clip
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ValueError(f"{source}: gradient_clipping must be a number >= 0 (0: off), got {clip!r}")
     return spec
+
+
+def _clip_norm(ds: dict) -> float:
+    """The max norm DeepSpeed clips the global-batch gradient to (its own default when the key is absent)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
 
 
 def _schedule(ds: dict, spec: OptimizerSpec) -> ServerLRSchedule | None:
@@ -190,7 +197,7 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
     gas = int(ds.get("gradient_accumulation_steps", 1))
     if rt.is_server:
-        loop = _ServerLoop(rt, gba, spec, flat0, _schedule(ds, spec), tables)
+        loop = _ServerLoop(rt, gba, spec, flat0, _schedule(ds, spec), tables, _clip_norm(ds))
         stats = loop.run()
         rt.close()
         return GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model, micro=micro, gas=gas,
@@ -211,7 +218,7 @@ class _ServerLoop:
     """Runs on a server rank: executes the first worker's commands (put/get state, serve, save, load)."""
 
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, flat0: torch.Tensor,
-                 schedule: ServerLRSchedule | None, tables: list[EmbeddingSpec]) -> None:
+                 schedule: ServerLRSchedule | None, tables: list[EmbeddingSpec], clip_norm: float) -> None:
         self.rt, self.gba, self.spec, self.schedule = rt, gba, spec, schedule
         self.index = rt.layout.server_index(rt.rank)
         self.numel = flat0.numel()
@@ -220,7 +227,7 @@ class _ServerLoop:
                                 0, 0)
         # one shard for the whole job: its tables (rows + optimizer state) persist across sync and gba phases
         self.ps = ParameterServer(rt, gba, self.numel, tables, spec, dense_init=flat0, on_tick=self.tick,
-                                  lr_schedule=schedule)
+                                  lr_schedule=schedule, clip_norm=clip_norm)
         self.tables = tables
         self.totals: dict = {"received": 0, "counted": 0, "dropped": 0, "decayed": 0, "staleness": {},
                              "lost_workers": [], "version": 0, "pushes": {}}
@@ -236,6 +243,7 @@ class _ServerLoop:
             for tau, n in live["staleness"].items():
                 out["staleness"][str(tau)] = out["staleness"].get(str(tau), 0) + n
         out["version"] = self.state.version if live is None else live["version"]
+        out["clipped"] = self.ps.clipped
         self.rt.store.set(f"gba/stats/{self.index}", json.dumps(out))
 
     def tick(self, ps: ParameterServer) -> None:
@@ -295,6 +303,7 @@ class _ServerLoop:
             self._publish()
             self.rt.store.set(_ack_key(seq, self.index), json.dumps(reply))
             seq += 1
+        self.totals["clipped"] = self.ps.clipped
         self._publish()
         return self.totals
 

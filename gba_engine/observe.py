@@ -105,6 +105,7 @@ class Observer:
             "staleness_histogram": dict(sorted(staleness.items())),
             "gradients": dict(tallies),
             "server_version": version,
+            "clipped_updates": max((int(st.get("clipped", 0)) for st in server_stats), default=0),
             "lost_workers": sorted(lost),
             "samples_per_s": {int(k): float(v) for k, v in (rates or {self.rank: self.samples_per_s}).items()},
         }

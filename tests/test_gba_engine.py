@@ -44,7 +44,7 @@ def _config(mode: str, stage: int = 0, scheduler: dict | None = None, **gba) -> 
     return {**extra, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.0, "torch_adam": True}},
             "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
-            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the servers never clip
+            "gradient_clipping": 0.0,  # off (DeepSpeed's default is 1.0); clipping has its own test
             "gba": {"mode": mode, "num_servers": 1, "timeout_s": 20, "heartbeat_s": 0.2, **gba}}
 
 
@@ -221,7 +221,7 @@ def test_bad_config_is_a_clear_error_on_every_rank(launch):
     ("gba", {"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}}, {}, "scheduler 'WarmupLR'"),
     ("gba", {"zero_optimization": {"stage": 2}}, {}, "stage 0 or 1, got 2"),
     ("gba", {"bf16": {"enabled": True}}, {}, "needs fp32 training"),
-    ("auto", {"gradient_clipping": 1.0}, {}, "servers apply the optimizer unclipped"),
+    ("auto", {"gradient_clipping": -1.0}, {}, "gradient_clipping must be a number >= 0"),
     ("gba", {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}, {}, "cannot run on the parameter servers"),
 ])
 def test_bad_configs_are_clear_errors_before_any_collective(mode, ds, gba, match):

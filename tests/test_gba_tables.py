@@ -1,6 +1,6 @@
 """Embedding tables on the parameter servers (ServerEmbeddingBagCollection) in sync, gba and auto modes.
 
-One launch of 2 workers + 1 server runs every phase; a single-process reference (nn.EmbeddingBag
+One launch of 2 workers + 2 servers (rows split by id % 2, the dense vector by range) runs every phase; a single-process reference (nn.EmbeddingBag
 tables, torch SGD, the global batch) trains the same model in the test process. With plain SGD a
 lazy row update equals a dense one, so every mode must land on the reference's tables and layers.
 """
@@ -21,6 +21,7 @@ STEPS = 6
 AUTO_STEPS = 16
 SLOW = range(2, 8)
 TABLES = (("a", 40, 4, 1), ("b", 25, 3, 2))  # name, rows, dim, seed
+SERVERS = 2
 
 
 def _specs():
@@ -53,7 +54,7 @@ class ReferenceNet(nn.Module):
         self.emb = nn.ModuleDict({s.name: nn.EmbeddingBag(s.num_rows, s.dim, mode="sum") for s in _specs()})
         with torch.no_grad():
             for s in _specs():
-                self.emb[s.name].weight.copy_(s.initial_table(num_servers=1))
+                self.emb[s.name].weight.copy_(s.initial_table(num_servers=SERVERS))
         self.mlp = _mlp()
 
     def forward(self, x, ids, offsets):
@@ -73,20 +74,23 @@ def _batch(step: int, worker: int):
     return x, ids, offsets, y
 
 
-def _config(mode: str, optimizer: dict, **gba) -> dict:
+CLIP = 0.05  # small enough that most updates are clipped
+
+
+def _config(mode: str, optimizer: dict, clip: float = 0.0, **gba) -> dict:
     return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "optimizer": optimizer,
-            "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0,
-            "gba": {"mode": mode, "num_servers": 1, "timeout_s": 20, "heartbeat_s": 0.2, **gba}}
+            "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 6, "gradient_clipping": clip,
+            "gba": {"mode": mode, "num_servers": SERVERS, "timeout_s": 20, "heartbeat_s": 0.2, **gba}}
 
 
 SGD = {"type": "SGD", "params": {"lr": 0.2}}
 ADAMW = {"type": "AdamW", "params": {"lr": 0.02, "torch_adam": True}}
 
 
-def _phase(rank, tmp, mode, steps, optimizer=SGD, first_step=0, save=None, load=None, slow=(), **gba):
+def _phase(rank, tmp, mode, steps, optimizer=SGD, first_step=0, save=None, load=None, slow=(), clip=0.0, **gba):
     import gba_engine
 
-    engine = gba_engine.initialize(model=ServerNet(), config=_config(mode, optimizer, **gba))
+    engine = gba_engine.initialize(model=ServerNet(), config=_config(mode, optimizer, clip, **gba))
     if engine.is_server:
         return {"server": engine.server_stats}
     if load:
@@ -121,23 +125,27 @@ def _launch(rank: int, world_size: int, tmp: str) -> dict:
     out["adam_full"] = _phase(rank, tmp, "sync", STEPS, optimizer=ADAMW)
     out["adam_first"] = _phase(rank, tmp, "sync", STEPS // 2, optimizer=ADAMW, save="ck")
     out["adam_resumed"] = _phase(rank, tmp, "sync", STEPS // 2, optimizer=ADAMW, first_step=STEPS // 2, load="ck")
+    out["clip_sync"] = _phase(rank, tmp, "sync", STEPS, clip=CLIP)
+    out["clip_gba"] = _phase(rank, tmp, "gba", STEPS, clip=CLIP, max_lead=0)
     return out
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("gba_tables"))
-    res = run_distributed(_launch, world_size=3, args=(tmp,), timeout_s=150)
+    res = run_distributed(_launch, world_size=2 + SERVERS, args=(tmp,), timeout_s=150)
     return {"w0": res[0], "w1": res[1], "server": res[2]}
 
 
-def _reference(steps: int):
+def _reference(steps: int, clip: float = 0.0):
     net = ReferenceNet()
     opt = torch.optim.SGD(net.parameters(), lr=0.2)
     for step in range(steps):
         opt.zero_grad()
         loss = sum(F.mse_loss(net(x, ids, off), y) for x, ids, off, y in (_batch(step, 0), _batch(step, 1))) / 2
         loss.backward()
+        if clip:  # DeepSpeed's clipping covers its own (dense) parameters, not the servers' rows
+            torch.nn.utils.clip_grad_norm_(net.mlp.parameters(), clip)
         opt.step()
     dense = parameters_to_vector(net.mlp.parameters()).detach()
     return dense, {n: net.emb[n].weight.detach() for n, _, _, _ in TABLES}
@@ -150,6 +158,15 @@ def _assert_matches(run: dict, ref) -> None:
         torch.testing.assert_close(run["tables"][name], rows, rtol=1e-5, atol=1e-6)
 
 
+def test_gradient_clipping_runs_on_the_servers_like_deepspeed(launch):
+    ref = _reference(STEPS, clip=CLIP)
+    _assert_matches(launch["w0"]["clip_sync"], ref)  # DeepSpeed clips the all-reduced gradient
+    _assert_matches(launch["w0"]["clip_gba"], ref)  # the servers clip by the norm over both shards
+    assert launch["w0"]["clip_gba"]["summary"]["clipped_updates"] >= STEPS // 2
+    # and clipping mattered: the unclipped run ends elsewhere
+    assert not torch.allclose(launch["w0"]["clip_sync"]["dense"], launch["w0"]["sync"]["dense"], atol=1e-3)
+
+
 def test_sync_with_tables_on_the_servers_equals_one_process_on_the_global_batch(launch):
     run = launch["w0"]["sync"]
     assert set(run["modes"]) == {"sync"} and run["version"] == STEPS
@@ -158,7 +175,7 @@ def test_sync_with_tables_on_the_servers_equals_one_process_on_the_global_batch(
     for name in run["tables"]:
         assert torch.equal(run["tables"][name], launch["w1"]["sync"]["tables"][name])
     # untouched rows keep their initial values exactly
-    init = {s.name: s.initial_table(1) for s in _specs()}
+    init = {s.name: s.initial_table(SERVERS) for s in _specs()}
     assert torch.equal(run["tables"]["a"][20:], init["a"][20:])
 
 

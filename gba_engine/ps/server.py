@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -126,6 +127,7 @@ class ParameterServer:
         table_init: Mapping[str, Tensor] | None = None,
         on_tick: Callable[["ParameterServer"], None] | None = None,
         lr_schedule: ServerLRSchedule | None = None,
+        clip_norm: float = 0.0,
     ) -> None:
         if not runtime.is_server:
             raise ValueError(f"rank {runtime.rank} is a worker; ParameterServer runs on {runtime.layout.servers}")
@@ -139,6 +141,12 @@ class ParameterServer:
         self.optimizer_spec = optimizer_spec
         self._lr_schedule = lr_schedule  # DeepSpeed's scheduler as a function of the version (None: constant lr)
         self._on_tick = on_tick  # called every heartbeat_s of serve(), idle or busy (control-plane work of an owner)
+        if clip_norm < 0:
+            raise ValueError(f"clip_norm must be >= 0 (0: no clipping), got {clip_norm}")
+        # DeepSpeed's gradient_clipping on the global-batch dense gradient (norm over every server's shard)
+        self.clip_norm = float(clip_norm)
+        self.clipped = 0  # updates whose dense gradient was scaled down
+        self._phase_id = 0  # begin_phase calls: keys of the norm exchange never collide after a restore
         self.index = runtime.layout.server_index(runtime.rank)
         self.num_servers = runtime.layout.num_servers
         self.specs = tuple(embedding_specs)
@@ -285,6 +293,7 @@ class ParameterServer:
         self._silent_since.clear()
         self._deferred, self._pushes, self._drained, self._stalls = [], collections.Counter(), 0, 0
         self._finished = self.data_ended = False
+        self._phase_id += 1
 
     # ----------------------------------------------------------------- event loop
     def serve(self, until_version: int | None = None, max_seconds: float | None = None) -> ServeStats:
@@ -461,6 +470,8 @@ class ParameterServer:
             for table in self._tables.values():
                 table.lr = lr
         if self._dense_opt is not None and self._dense_active:
+            if self.clip_norm:
+                self._clip(batch.dense)
             self._dense.grad = batch.dense
             self._dense_opt.step()
             self._dense.grad = None
@@ -468,6 +479,26 @@ class ParameterServer:
             table.step(batch.ids[name], batch.rows[name])
         version = self.control.commit()
         self.rt.store.set(version_key(self.rt.rank), str(version))  # for monitors and the auto-mode switcher
+
+    def _clip(self, grad: Tensor) -> None:
+        """Scale the global-batch dense gradient as DeepSpeed's clipping would: by max_norm / (norm + 1e-6) if < 1."""
+        sumsq = float(grad.pow(2).sum())
+        if self.num_servers > 1:  # the norm is over the whole vector: add every shard's share for this update
+            prefix = f"gba/norm/{self._phase_id}/{self.version}"
+            self.rt.store.set(f"{prefix}/{self.index}", repr(sumsq))
+            keys = [f"{prefix}/{s}" for s in range(self.num_servers)]
+            deadline = time.monotonic() + self.rt.timeout_s
+            while not self.rt.store.check(keys):
+                if time.monotonic() > deadline:
+                    missing = [s for s in range(self.num_servers) if not self.rt.store.check([f"{prefix}/{s}"])]
+                    raise TimeoutError(f"PS {self.index}: servers {missing} did not report their gradient norm for "
+                                       f"update {self.version} within {self.rt.timeout_s:.0f}s (gradient_clipping)")
+                time.sleep(0.002)
+            sumsq = sum(float(self.rt.store.get(k)) for k in keys)
+        coef = self.clip_norm / (math.sqrt(sumsq) + 1e-6)
+        if coef < 1.0:
+            grad.mul_(coef)
+            self.clipped += 1
 
     def _finish_if_done(self, until_version: int | None) -> None:
         if until_version is not None and self.version >= until_version and not self._finished:
