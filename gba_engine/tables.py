@@ -99,6 +99,39 @@ class ServerEmbeddingBagCollection(nn.Module):
         return f"tables={[(t.name, t.num_rows, t.dim) for t in self.tables]}, mode={self.mode!r}"
 
 
+class ServerFieldEmbeddings(nn.Module):
+    """One server table per field of a field-major multi-hot batch; ``forward(values, lengths)`` gives ``[B, F, dim]``.
+
+    A drop-in for picasso_ops' ``FieldEmbeddings`` (``WideAndDeep(args, embeddings=...)``):
+    ``lengths`` is ``[F, B]`` and ``values`` the ids of field 0's bags, then field 1's, ...
+    Field ``f`` is table ``{prefix}{f}``.
+
+    Example::
+
+        emb = ServerFieldEmbeddings([1000] * 26, dim=16, pooling="mean", init_std=0.01)
+        model = WideAndDeep(args, embeddings=emb, wide=ServerFieldEmbeddings([1000] * 26, 1, "mean", 0.0, "wide"))
+    """
+
+    def __init__(self, vocab_sizes: Sequence[int], dim: int, pooling: str, init_std: float,
+                 prefix: str = "field", seed: int = 0) -> None:
+        super().__init__()
+        self.names = [f"{prefix}{f}" for f in range(len(vocab_sizes))]
+        specs = [EmbeddingSpec(n, int(v), dim, init_std=init_std, seed=seed * 100_003 + f)
+                 for f, (n, v) in enumerate(zip(self.names, vocab_sizes))]
+        self.collection = ServerEmbeddingBagCollection(specs, mode=pooling)
+
+    def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
+        num_fields, batch = lengths.shape
+        if num_fields != len(self.names):
+            raise ValueError(f"lengths has {num_fields} fields, this module {len(self.names)}")
+        per_field = lengths.sum(dim=1)
+        ids = dict(zip(self.names, values.split(per_field.tolist())))
+        starts = torch.zeros_like(lengths)
+        starts[:, 1:] = lengths[:, :-1].cumsum(dim=1)  # each field's bag offsets, from 0
+        pooled = self.collection(ids, dict(zip(self.names, starts.unbind(0))))
+        return torch.stack([pooled[n] for n in self.names], dim=1)
+
+
 def server_tables(model: nn.Module) -> tuple[list[EmbeddingSpec], list[ServerEmbeddingBagCollection]]:
     """Every server table of ``model`` and the collections that hold them; names must be unique job-wide."""
     collections = [m for m in model.modules() if isinstance(m, ServerEmbeddingBagCollection)]

@@ -237,3 +237,44 @@ def test_row_optimizer_state_round_trips_and_refuses_a_wrong_shape():
     assert torch.equal(a.weight, b.weight) and torch.equal(a.exp_avg_sq, b.exp_avg_sq) and b.steps == 2
     with pytest.raises(ValueError, match="another num_servers"):
         spec.build_rows(torch.zeros(5, 3)).load_state_dict(a.state_dict())
+
+
+class _LocalRows:
+    """A RowSource over in-memory tables: checks the collection's pooling and gradients without servers."""
+
+    def __init__(self, tables):
+        self.tables, self.recorded = tables, []
+
+    def fetch_rows(self, ids):
+        return {n: self.tables[n][i].clone() for n, i in ids.items()}
+
+    def record_rows(self, table, ids, rows):
+        self.recorded.append((table, ids, rows))
+
+
+def test_field_embeddings_pool_like_per_field_embedding_bags_and_return_row_gradients():
+    from gba_engine.tables import ServerFieldEmbeddings
+
+    vocab = [7, 5, 9]
+    emb = ServerFieldEmbeddings(vocab, dim=3, pooling="mean", init_std=0.5, prefix="f", seed=4)
+    tables = {s.name: s.initial_table(1) for s in emb.collection.tables}
+    source = _LocalRows(tables)
+    emb.collection.bind(source)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 4, (3, 6), generator=g)
+    values = torch.cat([torch.randint(0, v, (int(lengths[f].sum()),), generator=g) for f, v in enumerate(vocab)])
+    out = emb(values, lengths)
+    bags = [nn.EmbeddingBag.from_pretrained(tables[f"f{f}"].clone(), freeze=False, mode="mean") for f in range(3)]
+    ref, lo = [], 0
+    for f in range(3):
+        n = int(lengths[f].sum())
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[f].cumsum(0)[:-1]])
+        ref.append(bags[f](values[lo:lo + n], offsets))
+        lo += n
+    ref = torch.stack(ref, dim=1)
+    torch.testing.assert_close(out, ref)
+    weights = torch.randn(out.shape, generator=g)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    for table, ids, rows in source.recorded:  # per unique id: the dense gradient's rows
+        torch.testing.assert_close(rows.grad, bags[int(table[1:])].weight.grad[ids])
