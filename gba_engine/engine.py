@@ -256,8 +256,10 @@ class _ServerLoop:
                 save_shard(state_from_server(ps), path, self.index, self.rt.layout.num_servers,
                            tables=ps.export_tables())
                 self.rt.store.set(f"gba/save_done/{req_id}/{self.index}", "1")
-        if not self.dense_phase:
-            return  # a tables-only (sync) phase: no end-of-data protocol, and its pushes are not gba's statistics
+        if not self.dense_phase:  # a tables-only (sync) phase: no end-of-data protocol, its pushes are not gba's
+            self.state.version = self.totals["version"] = ps.version
+            self._publish()
+            return
         if not ps.data_ended and self.rt.store.check([_exhausted_key(self.phase)]):
             ps.end_of_data()  # no worker may wait for pushes that will never come
         self._publish({**ps.control.stats.as_dict(), "version": ps.version})

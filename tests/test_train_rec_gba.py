@@ -45,7 +45,9 @@ def _config(tmp_path: Path, mode: str) -> str:
 
 
 @pytest.mark.parametrize("mode,steps,straggler", [("gba", 8, ["--straggler", "1:20"]),
-                                                   ("auto", 24, ["--straggler", "1:8:3-9"])])
+                                                   ("auto", 24, ["--straggler", "1:8:3-9"]),
+                                                   ("auto", 24, ["--straggler", "1:8:3-9", "--server-tables"])],
+                         ids=["gba", "auto", "auto-server-tables"])
 def test_train_rec_gba_block_on_workers_and_a_server(tmp_path, mode, steps, straggler):
     argv = [*SMALL, "--steps", str(steps), "--config", _config(tmp_path, mode), "--out", str(tmp_path / mode),
             *straggler]
@@ -66,6 +68,28 @@ def test_train_rec_gba_block_on_workers_and_a_server(tmp_path, mode, steps, stra
     else:
         assert switches[:2] == [("sync", "gba"), ("gba", "sync")], switches
         assert summary["gba"]["steps_per_mode"].get("gba", 0) > 0
+    if "--server-tables" in straggler:
+        _check_server_tables(tmp_path / mode, summary)
+
+
+def _check_server_tables(out: Path, summary: dict) -> None:
+    import torch
+
+    from gba_engine.checkpoint import load_tables
+    from gba_engine.ps import EmbeddingSpec
+    from picasso_ops.models import WideAndDeep, WideAndDeepArgs
+
+    plain = WideAndDeep(WideAndDeepArgs([200] * 26, num_dense=13, embedding_dim=16))
+    tables = sum(p.numel() for n, p in plain.named_parameters() if "bags" in n)
+    dense = sum(p.numel() for p in plain.parameters()) - tables
+    # a switch hands over the dense layers with their two Adam moments only: the tables stay on the server
+    assert all(e["nbytes"] == dense * 3 * 4 for e in summary["gba"]["switches"]), (dense, summary["gba"]["switches"])
+    saved = load_tables(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), 0, 1)
+    assert len(saved) == 52 and saved["deep0"]["weight"].shape == (200, 16) and saved["wide25"]["weight"].shape == (200, 1)
+    assert saved["deep0"]["steps"] == 24  # one update per global batch of the job, in every mode
+    start = EmbeddingSpec("deep0", 200, 16, init_std=0.01, seed=1234 * 100_003).initial_shard(0, 1)
+    moved = (saved["deep0"]["weight"] - start).abs().amax(dim=1) > 0
+    assert 0 < int(moved.sum()) < 200  # the rows the batches touched were trained, the others kept their start
 
 
 def test_gba_run_saves_by_job_batches_and_resumes_from_them(tmp_path):
