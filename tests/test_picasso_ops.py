@@ -104,6 +104,68 @@ def test_lookup_empty_and_bad_ids(cpp):
         ops.packed_lookup(w, torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([0]), torch.empty(2, 8))
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_column_rows_checks_each_table(cpp, backend, weighted):
+    """``column_rows``: same output for valid ids; an id inside the buffer but past its own table raises."""
+    case, g = make_case(2, width=16, weighted=weighted)
+    C = case["column_starts"].numel()
+    rows_per_table = 6
+    base = torch.randn(5, case["out_width"], generator=g)
+    want = _lookup(case, base.clone(), "reference")
+    got = ops.packed_lookup(
+        case["weight"], case["indices"], case["offsets"], case["column_starts"], base.clone(),
+        row_offsets=case["row_offsets"], per_sample_weights=case["per_sample_weights"],
+        column_rows=torch.full((C,), rows_per_table), backend=backend,
+    )
+    torch.testing.assert_close(got, want, **TOL)
+    # column 0's table is followed by others in the buffer: id 6 is a valid buffer row, not a valid id
+    bad = case["indices"].clone()
+    bad[0] = rows_per_table
+    args = (case["weight"], bad, case["offsets"], case["column_starts"], base.clone())
+    ops.packed_lookup(*args, row_offsets=case["row_offsets"], backend=backend)  # no column_rows: accepted
+    with pytest.raises(RuntimeError, match=r"index 0 \(id 6\) is outside its column's table"):
+        ops.packed_lookup(*args, row_offsets=case["row_offsets"], column_rows=torch.full((C,), rows_per_table),
+                          backend=backend)
+    bad[0] = -1
+    with pytest.raises(RuntimeError, match=r"index 0 \(id -1\)"):
+        ops.packed_lookup(*args, row_offsets=case["row_offsets"], column_rows=torch.full((C,), rows_per_table),
+                          backend=backend)
+
+
+def test_advise_hugepages_leaves_values_intact(cpp):
+    """Advising a large tensor is safe before or after writes; small or non-CPU tensors are not advised."""
+    assert ops.advise_hugepages(torch.empty(16)) is False
+    big = torch.empty(3 << 20)  # 12 MiB: at least one whole huge page inside on x86_64
+    advised = ops.advise_hugepages(big)
+    assert isinstance(advised, bool)
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if os.path.exists(thp) and "[never]" not in open(thp).read():
+        assert advised
+    big.fill_(3.0)
+    ops.advise_hugepages(big)  # already touched: nothing changes
+    assert torch.equal(big, torch.full_like(big, 3.0))
+
+
+def test_collection_hugepage_output_same_values(cpp):
+    """A collection output above the huge-page threshold is the same with and without ``hugepage_output``."""
+    from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec
+    from picasso_ops.jagged import JaggedBatch
+
+    specs = [TableSpec(f"t{i}", 50, 512, "mean" if i else "sum") for i in range(2)]
+    torch.manual_seed(0)
+    emb = PackedEmbeddingCollection(specs)
+    assert emb.hugepage_output
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 4, (2, 2048), generator=g)  # out: 2048 x 1024 floats = 8 MiB
+    batch = JaggedBatch(["t0", "t1"], torch.randint(0, 50, (int(lengths.sum()),), generator=g), lengths)
+    with torch.no_grad():
+        a = emb(batch).values.clone()
+        emb.hugepage_output = False
+        b = emb(batch).values
+    assert torch.equal(a, b)
+
+
 # --------------------------------------------------------- backward + optim
 def _state(optimizer, weight):
     if optimizer == "rowwise_adagrad":

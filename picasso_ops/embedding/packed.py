@@ -73,6 +73,7 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["fused", "autograd"]
 _INT32_MAX = 2**31 - 1
+_HUGEPAGE_MIN_BYTES = 8 << 20  # smaller outputs are usually recycled by malloc, already faulted in
 
 
 class KeyedEmbeddings:
@@ -132,6 +133,7 @@ class _LookupPlan:
     seq_rows: tuple[int, ...] = ()  # sequence packs: buffer rows per feature
     seq_ids: tuple[int, ...] = ()  # sequence packs: ids per feature
     row_offsets: Optional[Tensor] = None  # custom ops: indices are raw ids, buffer row = id + row_offsets[column]
+    column_rows: Optional[Tensor] = None  # custom ops: ids not checked yet; the op checks id < column_rows[column]
 
 
 # a run copies kernel column blocks [c0, c1) to output columns starting at `start`
@@ -258,7 +260,9 @@ class _PackKernel(nn.Module):
             raw = batch.values[lo:hi]  # a view: never modified below
             counts = field_offsets[f0 + 1 : f1 + 1] - field_offsets[f0:f1]
             lengths = batch.lengths[f0:f1].reshape(-1)
-            offsets = batch.offsets[f0 * B : f1 * B + 1] - lo
+            offsets = batch.offsets[f0 * B : f1 * B + 1]  # a view: never modified below
+            if lo:
+                offsets = offsets - lo
             if batch.weights is not None and self.group.pooled:
                 weights = batch.weights[lo:hi]
         else:
@@ -274,13 +278,14 @@ class _PackKernel(nn.Module):
             if batch.weights is not None and self.group.pooled:
                 weights = batch.weights.index_select(0, src)
         n = raw.numel()
-        self._check_ids(raw, counts)
         if self.group.pooled and self.uniform and self._op_backend() is not None:
-            # the op adds each column's row offset itself: no shifted copy of the ids
+            # the op adds each column's row offset itself (no shifted copy of the ids) and checks each id
+            # against its table's size while it reads it (no separate pass over the ids here)
             return _LookupPlan(
                 indices=raw, offsets=offsets, lengths=lengths, weights=weights, bag_scale=None,
-                batch_size=B, row_offsets=self._c_add,
+                batch_size=B, row_offsets=self._c_add, column_rows=self._c_rows,
             )
+        self._check_ids(raw, counts)
         index_dtype = self.index_dtype if n <= _INT32_MAX and B * C < _INT32_MAX else torch.int64
         add = torch.repeat_interleave(self._c_add, counts, output_size=n)
         if self.uniform:  # narrowing first is safe (ids were checked) and halves the bytes moved
@@ -348,6 +353,14 @@ class _PackKernel(nn.Module):
             f"of size {p.spec.num_embeddings} (valid ids are 0..{p.spec.num_embeddings - 1})"
         )
 
+    def _check_plan_ids(self, plan: _LookupPlan) -> None:
+        """``_check_ids`` for a custom-op plan whose ids the op has not checked (raises ``IndexError``)."""
+        if plan.column_rows is None:
+            return
+        B = plan.batch_size
+        counts = plan.offsets[::B].diff() if B > 0 else plan.offsets.new_zeros(self.num_columns)
+        self._check_ids(plan.indices, counts)
+
     def _torch_plan(self, plan: _LookupPlan) -> _LookupPlan:
         """A plan with buffer rows as indices (and mean scales), for the torch path, from a custom-op plan."""
         if plan.row_offsets is None:
@@ -365,6 +378,7 @@ class _PackKernel(nn.Module):
 
     def lookup(self, plan: _LookupPlan) -> Tensor:
         """Pooled: ``[C * B, width]`` bags column-major; sequence: ``[buffer rows, width]``."""
+        self._check_plan_ids(plan)  # the torch kernels only check rows against the whole buffer
         plan = self._torch_plan(plan)
         sparse = self.mode == "autograd"
         if not self.group.pooled:
@@ -429,11 +443,15 @@ class _PackKernel(nn.Module):
         if backend is None:
             self.write_columns(values, self.lookup(plan), runs)
             return
-        custom_ops.packed_lookup(
-            self.weight, plan.indices, plan.offsets, self._starts(runs), values,
-            row_offsets=plan.row_offsets, per_sample_weights=plan.weights,
-            mean_columns=self._c_mean if self.has_mean else None, backend=backend,
-        )
+        try:
+            custom_ops.packed_lookup(
+                self.weight, plan.indices, plan.offsets, self._starts(runs), values,
+                row_offsets=plan.row_offsets, per_sample_weights=plan.weights,
+                mean_columns=self._c_mean if self.has_mean else None, column_rows=plan.column_rows, backend=backend,
+            )
+        except RuntimeError:
+            self._check_plan_ids(plan)  # an id outside its table: the IndexError naming the field
+            raise
 
     @torch.no_grad()
     def backward_update_op(self, plan: _LookupPlan, grad: Tensor, runs: Optional[Sequence[_Run]]) -> bool:
@@ -636,6 +654,14 @@ class PackedEmbeddingCollection(nn.Module):
             the kernels (one warning), keep the torch path. Default on; False
             pins the pure-torch kernels (bitwise-reproducible references).
 
+    Attribute ``hugepage_output`` (default: ``custom_ops``): a ``[B, sum D]``
+    CPU output of 8 MiB or more is given transparent huge pages before it is
+    written (``ops.advise_hugepages``; needs the C++ ops loaded and THP
+    ``enabled`` = ``always`` or ``madvise``), since page-faulting a fresh
+    large output 4 KiB at a time costs more than the lookup. Set it to
+    ``False`` where huge pages are unwanted (memory is advised per output
+    tensor only).
+
     Tables are initialised uniform in ``±sqrt(1 / num_embeddings)`` (torchrec's
     default), one table after another in spec order, so the initial weights
     do not depend on packing.
@@ -712,6 +738,9 @@ class PackedEmbeddingCollection(nn.Module):
         for dtype in dtypes[1:]:
             self._values_dtype = torch.promote_types(self._values_dtype, dtype)
         self._keys_cache: Optional[tuple[tuple[str, ...], list[tuple[Tensor, Optional[int]]]]] = None
+        # a large [B, sum D] CPU output gets transparent huge pages (when the C++ ops are loaded): faulting a
+        # fresh 100 MB output in 4 KiB pages costs more than the lookup (B=2048, F=200, D=64: 70 of 98 ms)
+        self.hugepage_output = bool(custom_ops)
         self.reset_parameters()
 
     # ------------------------------------------------------------ parameters
@@ -799,6 +828,8 @@ class PackedEmbeddingCollection(nn.Module):
         fused = self.mode == "fused" and torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if fused else None
         values = torch.empty(batch.batch_size, self.column_offsets[-1], dtype=self._values_dtype, device=batch.values.device)
+        if self.hugepage_output and values.is_cpu and values.numel() * values.element_size() >= _HUGEPAGE_MIN_BYTES:
+            custom_ops.advise_hugepages(values)  # before the first write: see hugepage_output
         sequences: dict[str, Tensor] = {}
         for gi, (kernel, (columns, first_field)) in enumerate(zip(self.kernels, fields)):
             plan = kernel.prepare(batch, columns, first_field)

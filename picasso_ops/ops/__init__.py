@@ -44,6 +44,7 @@ from picasso_ops.ops import reference
 __all__ = [
     "Backend",
     "HashTable",
+    "advise_hugepages",
     "packed_backward_update",
     "packed_lookup",
     "select_backend",
@@ -119,6 +120,7 @@ def packed_lookup(
     row_offsets: Optional[Tensor] = None,
     per_sample_weights: Optional[Tensor] = None,
     mean_columns: Optional[Tensor] = None,
+    column_rows: Optional[Tensor] = None,
     backend: Optional[str] = None,
 ) -> Tensor:
     """One pack's pooled lookup straight into the ``[B, sum D]`` output; returns ``out``.
@@ -131,7 +133,10 @@ def packed_lookup(
     row offset ``row_offsets[c]``), else the indices. Pooling is sum, times
     ``per_sample_weights``, divided by the bag length for ``mean_columns``.
     Not differentiable itself: pair it with :func:`packed_backward_update`
-    in a custom autograd function. Raises on a row outside the buffer.
+    in a custom autograd function. Raises ``RuntimeError`` on a row outside
+    the buffer and, with ``column_rows``, on an id of column ``c`` outside
+    ``[0, column_rows[c])`` (its table's size; the C++ kernel checks while it
+    reads the ids, so callers need no separate pass over them).
 
     Example::
 
@@ -145,9 +150,11 @@ def packed_lookup(
         if out.dtype != torch.float32:
             raise TypeError(f"packed_lookup: out must be float32 like weight, got {out.dtype}")
         torch.ops.picasso.packed_lookup(
-            weight, indices, offsets, column_starts, row_offsets, per_sample_weights, mean_columns, out
+            weight, indices, offsets, column_starts, row_offsets, per_sample_weights, mean_columns, out, column_rows
         )
         return out
+    if column_rows is not None:
+        reference.check_column_rows(indices, offsets, column_rows, out.shape[0], "packed_lookup")
     if which == "triton":
         from picasso_ops.ops import triton_kernels
 
@@ -159,6 +166,34 @@ def packed_lookup(
         weight, indices, offsets, column_starts, out,
         row_offsets=row_offsets, per_sample_weights=per_sample_weights, mean_columns=mean_columns,
     )
+
+
+def advise_hugepages(tensor: Tensor) -> bool:
+    """Ask for transparent huge pages under a large CPU tensor that was not written yet; ``True`` if advised.
+
+    A fresh multi-MB output (``torch.empty`` above glibc's mmap threshold)
+    is otherwise page-faulted 4 KiB at a time by its first writes, which on
+    our machines costs more than the embedding lookup that fills it. Only
+    the whole huge pages inside the tensor's storage are advised (Linux
+    ``madvise(MADV_HUGEPAGE)``, honoured when
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
+    ``madvise``); anything else (no C++ ops, not CPU, another OS) is a no-op
+    returning ``False``. Does not trigger a build of the C++ ops.
+
+    Example::
+
+        >>> advise_hugepages(torch.empty(0))
+        False
+    """
+    if tensor.device.type != "cpu" or not _cpp_loaded():
+        return False
+    return bool(torch.ops.picasso.advise_hugepages(tensor))
+
+
+def _cpp_loaded() -> bool:
+    from picasso_ops.ops import builder
+
+    return builder.ops_available()
 
 
 def packed_backward_update(

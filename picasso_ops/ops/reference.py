@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "check_column_rows",
     "packed_lookup",
     "packed_backward_update",
     "hash_find",
@@ -74,6 +75,26 @@ def _check_rows(rows: Tensor, num_rows: int, op: str) -> None:
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
         bad = int(((rows < 0) | (rows >= num_rows)).nonzero()[0, 0])
         raise IndexError(f"{op}: index {bad} points at a row outside the buffer of {num_rows} rows")
+
+
+def check_column_rows(indices: Tensor, offsets: Tensor, column_rows: Tensor, batch: int, op: str) -> None:
+    """Raise ``RuntimeError`` unless every id of column ``c`` is in ``[0, column_rows[c])`` (bags column-major).
+
+    Example::
+
+        >>> check_column_rows(torch.tensor([0, 2]), torch.tensor([0, 1, 2]), torch.tensor([1, 3]), 1, "op")
+    """
+    if indices.numel() == 0 or column_rows.numel() == 0:
+        return
+    counts = offsets[:: max(batch, 1)].diff() if batch > 0 else offsets.new_zeros(column_rows.numel())
+    bound = torch.repeat_interleave(column_rows.to(indices.device, torch.int64), counts.long(),
+                                    output_size=indices.numel())
+    bad = (indices < 0) | (indices.long() >= bound)
+    if bool(bad.any()):
+        p = int(bad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"{op}: index {p} (id {int(indices[p])}) is outside its column's table (column_rows) or the buffer"
+        )
 
 
 def packed_lookup(
