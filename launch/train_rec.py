@@ -33,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from dist_env import init_distributed  # noqa: E402
 from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from picasso_ops.data.batch import CTRBatch  # noqa: E402
+from picasso_ops.data.prefetch import Prefetcher  # noqa: E402
 from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRStream  # noqa: E402
 from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
 from picasso_ops.distributed import engine_step  # noqa: E402
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="slow RANK by FACTOR (sleeping (FACTOR-1) x its forward+backward time, the median of its "
                         "first 3 micro-steps, before each backward), optionally only for optimizer steps "
                         "START <= step < END (with a gba block: job-wide steps); repeatable (demos, benchmarks)")
+    p.add_argument("--server-tables", action="store_true",
+                   help="with a gba block: the embedding tables live on the parameter servers (rows by id, updated "
+                        "once per global batch in sync mode too) instead of in the workers' dense parameters")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p.parse_args(argv)
 
@@ -193,6 +197,9 @@ class RecJob:
                                  "synthetic stream supports yet; use gba.mode \"sync\" for file data")
             # the last num_servers ranks are parameter servers: data is split over the workers only
             self.world_size = max(1, world_size - self.gba.num_servers)
+        elif args.server_tables:
+            raise SystemExit(f"{args.config}: --server-tables needs a gba block (the tables live on its parameter "
+                             "servers)")
         self.ds = _with_schedule_length(self.job.ds, args.steps)
         self.micro_batch = int(self.ds.get("train_micro_batch_size_per_gpu", 256))
         self.grad_accum = int(self.ds.get("gradient_accumulation_steps", 1))
@@ -216,21 +223,40 @@ class RecJob:
         return self.gba is not None and self.data_cfg is not None
 
     def train_stream(self, progress: "Progress", data_states: list[dict] | None, engine: Any = None):
-        """This rank's training stream, positioned after what ``progress`` says was consumed."""
+        """This rank's training stream, positioned after what ``progress`` says was consumed.
+
+        With ``picasso.interleave.prefetch_batches`` N > 0 the synthetic and file streams are read
+        N batches ahead on a thread (a :class:`Prefetcher`, closed by the caller); its ``state()`` is
+        the position of the batches *consumed*, which is what checkpoints record.
+        """
         if self.claims_batches:
+            # never prefetched: a claim is a job-wide batch number taken from the GBA engine's store, and
+            # claiming ahead on a thread would take numbers this worker may never train (and a block
+            # carrying prefetch_batches cannot be combined with gba yet anyway)
             start = int(data_states[0]["batches_taken"]) if data_states else 0
             return ClaimedBatches(engine, self.data_cfg, self.micro_batch, self.grad_accum,
                                   total=self.args.steps * self.world_size, start=start)
         if self.data_cfg is not None:
-            return SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
-                                      split="train", start_batch=progress.micro_batches * self.world_size)
+            stream = SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
+                                        split="train", start_batch=progress.micro_batches * self.world_size)
+            return self._prefetched(stream)
         start_row = 0
         if data_states:
             if len(data_states) != self.world_size:
                 raise SystemExit(f"--resume: the checkpoint was written by {len(data_states)} ranks reading files; "
                                  f"resume file streams with the same number of ranks, not {self.world_size}")
             start_row = int(data_states[self.rank]["next_row"])  # exact even when bad rows were skipped
-        return self._file_reader(self.args.train_files, start_row)
+        return self._prefetched(self._file_reader(self.args.train_files, start_row))
+
+    def _prefetched(self, stream):
+        """``stream``, read ``picasso.interleave.prefetch_batches`` batches ahead on a thread when that is > 0."""
+        block = self.job.blocks.get("picasso")
+        depth = block.interleave.prefetch_batches if block is not None else 0
+        if depth == 0:
+            return stream
+        if self.rank == 0:
+            logger.info("picasso interleave: training batches read %d ahead on a thread", depth)
+        return Prefetcher(stream, depth, state=stream.state, name=f"train_rec-data-rank{self.rank}")
 
     def eval_stream(self):
         if self.data_cfg is not None:
@@ -372,8 +398,16 @@ def build_model(job: RecJob) -> torch.nn.Module:
     ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step),
     served through a hot-row cache with a ``cache`` block and run as interleaved
     micro-batches with ``interleave.micro_batches > 1`` (see picasso_ops.block).
+    With ``--server-tables`` (gba block): the same model, its tables on the parameter servers.
     """
     block = job.job.blocks.get("picasso")
+    if job.args.server_tables:  # RecJob allows it with a gba block only
+        from gba_engine.tables import ServerFieldEmbeddings
+
+        a = job.model_args
+        return WideAndDeep(a, embeddings=ServerFieldEmbeddings(a.vocab_sizes, a.embedding_dim, a.pooling, 0.01,
+                                                               "deep", seed=job.args.seed),
+                           wide=ServerFieldEmbeddings(a.vocab_sizes, 1, a.pooling, 0.0, "wide", seed=job.args.seed))
     if block is None:
         return WideAndDeep(job.model_args)
     args = dataclasses.replace(job.model_args, embedding_dim=block.embedding_dim)
@@ -499,6 +533,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if args.save_every and _save_due(args.save_every, progress, stream, taken_before, mode_before, engine, job):
             last_ckpt = _save(engine, ckpt_dir, progress, stream)
     bar.close()
+    if isinstance(stream, Prefetcher):
+        # stop reading ahead before evaluating; state() keeps the consumed position for the last save.
+        # (if the loop raised: a daemon thread, stopped when the prefetcher is collected or the process exits)
+        stream.close()
     if exhausted and rank == 0 and not claimed:
         print(f"training data ran out after {progress.step} steps ({progress.samples:,} samples)")
 
@@ -551,6 +589,8 @@ def _gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
         rows.append(("gba staleness (tau: grads)", ", ".join(f"{t}: {n}" for t, n in g["staleness_histogram"].items())))
     if g["gradients"]:
         rows.append(("gba gradients", ", ".join(f"{k} {v}" for k, v in g["gradients"].items())))
+    if g.get("clipped_updates"):
+        rows.append(("gba updates clipped (servers)", f"{g['clipped_updates']}"))
     rows.append(("samples/s per worker", ", ".join(f"{float(v):,.0f}" for v in g["samples_per_s"].values())))
     return rows
 

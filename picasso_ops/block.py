@@ -21,6 +21,9 @@ for the rest:
   With a cache and ``prefetch``, the lookup of micro-batch ``i`` starts the
   store reads of micro-batch ``i + 1``; with ``K = 1`` there is no next
   micro-batch inside the model to read ahead, so ``prefetch`` does nothing.
+* ``interleave.prefetch_batches`` is not about the model: ``launch/train_rec.py``
+  reads its training stream through a :class:`~picasso_ops.data.prefetch.Prefetcher`
+  that many batches ahead (0: off).
 
 Errors name the block's key (``picasso.cache.rows``, ``picasso.cache.store``...).
 

@@ -1,6 +1,7 @@
 """The ``picasso`` block of a DeepSpeed config: packing, caching and interleaving switches.
 
     >>> PicassoConfig.model_validate({"packing": True, "cache": {"rows": 200000}})
+    >>> PicassoConfig.model_validate({"interleave": {"micro_batches": 2, "prefetch_batches": 2}})
 """
 from __future__ import annotations
 
@@ -33,9 +34,20 @@ class CacheConfig(_Block):
 
 
 class InterleaveConfig(_Block):
-    """Split each batch into micro-batches whose stages overlap."""
+    """Split each batch into micro-batches whose stages overlap; read the next batches while one trains.
+
+    ``micro_batches`` K: the batch's K micro-batches run their lookups, dense compute and embedding
+    backwards interleaved on threads (1: off). ``prefetch_batches`` N: a background thread reads the
+    training data up to N batches ahead of the step (``picasso_ops.data.prefetch``; 0, the default: off,
+    the loop reads each batch itself). Training sees the same batches in the same order either way, so
+    the weights are the same bit for bit, and checkpoints record the position of the batches consumed.
+    Off by default because the producer thread needs a core the step leaves idle: on the shared 2-core
+    machine train_rec ran at 0.86x with 2 (benchmarks/RESULTS.md, "Data prefetch in train_rec"); turn it
+    on where a core is free during the step (GPU hosts, CPU hosts with cores to spare).
+    """
 
     micro_batches: PositiveInt = 1
+    prefetch_batches: int = Field(0, ge=0, le=64)
 
 
 class PicassoConfig(_Block):

@@ -3,6 +3,7 @@
 * cache on vs off: bit-identical final tables, dense layers and AUC (the cache runs the packed tables' arithmetic);
 * a checkpoint taken through the cache resumes to the straight run's weights, with or without the cache;
 * interleave.micro_batches = 2 vs 1: equal up to float rounding (sums of partial sums, see InterleavedForward);
+* interleave.prefetch_batches on vs off: bit-identical weights; a prefetched file stream resumes exactly;
 * bad values name their key.
 """
 from __future__ import annotations
@@ -39,14 +40,26 @@ def _run(rank: int, world_size: int, argv: list[str]) -> dict:
         built["model"] = original(job)
         return built["model"]
 
+    original_prefetched = train_rec.RecJob._prefetched
+
+    def prefetched(self, stream):  # the training stream train_rec reads, and the source below a prefetcher
+        built["source"], built["stream"] = stream, original_prefetched(self, stream)
+        return built["stream"]
+
     train_rec.build_model = build_model
+    train_rec.RecJob._prefetched = prefetched
     try:
         summary = train_rec.train(train_rec.parse_args(argv))
     finally:
         train_rec.build_model = original
+        train_rec.RecJob._prefetched = original_prefetched
     state = {k: v.detach().numpy().copy() for k, v in built["model"].state_dict().items()}
     keep = ("auc", "log_loss", "steps", "samples", "checkpoint", "picasso")
-    return {"summary": {k: summary.get(k) for k in keep}, "state": state}
+    stream = built["stream"]
+    data = {"prefetched": type(stream).__name__ == "Prefetcher", "state": stream.state(),
+            "source_state": built["source"].state(), "consumed": getattr(stream, "consumed", None),
+            "thread_alive": stream._thread.is_alive() if hasattr(stream, "_thread") else None}
+    return {"summary": {k: summary.get(k) for k in keep}, "state": state, "data": data}
 
 
 def _config(path: Path, picasso: dict, **overrides) -> str:
@@ -134,6 +147,68 @@ def test_interleave_two_micro_batches_agrees_with_one(tmp_path):
     assert k2[0]["summary"]["log_loss"] == pytest.approx(k1[0]["summary"]["log_loss"], abs=1e-6)
     stats = k2[0]["summary"]["picasso"]
     assert stats["interleave_micro_batches"] == 2 and stats["cache"]["embeddings"]["prefetched"] > 0
+
+
+@pytest.mark.slow
+def test_prefetch_on_and_off_give_identical_weights(tmp_path):
+    """Synthetic data, 2 ranks, gradient accumulation 2, 4 steps: batches read 3 ahead on a thread vs none."""
+    runs = {}
+    for name, depth in (("off", 0), ("on", 3)):
+        cfg = _config(tmp_path / name, {**BLOCK, "interleave": {"prefetch_batches": depth}},
+                      gradient_accumulation_steps=2)
+        runs[name] = run_distributed(_run, 2, args=([*SMALL, "--steps", "4", "--config", cfg,
+                                                      "--out", str(tmp_path / f"out_{name}")],),
+                                     timeout_s=55, init_process_group=False)
+    off, on = runs["off"], runs["on"]
+    assert not off[0]["data"]["prefetched"] and on[0]["data"]["prefetched"] and on[1]["data"]["prefetched"]
+    for rank in (0, 1):
+        d = on[rank]["data"]
+        # 8 micro-batches consumed; the checkpointed position is theirs (rank r took global batches r, r+2, ...)
+        assert d["consumed"] == 8 and d["state"]["next_batch"] == 16 == off[rank]["data"]["state"]["next_batch"]
+        assert d["thread_alive"] is False  # closed at the end of the training loop
+    assert _max_diff(on[0]["state"], off[0]["state"]) == 0.0
+    assert _max_diff(on[1]["state"], off[1]["state"]) == 0.0
+    assert on[0]["summary"]["auc"] == off[0]["summary"]["auc"]
+    assert on[0]["summary"]["samples"] == off[0]["summary"]["samples"] == 4 * 2 * 32 * 2
+
+
+@pytest.mark.slow
+def test_prefetched_file_stream_resumes_exactly(tmp_path):
+    """Criteo TSV with bad rows, 2 ranks: stop after 4 steps with prefetch on, resume with it on, vs a straight run
+    without it. The checkpoint must hold the rows consumed, not the ones read ahead, or the resumed run skips rows."""
+    from tests.test_train_rec import _write_criteo
+
+    train = _write_criteo(tmp_path / "train.tsv", 900, seed=0, bad_every=150)
+    evalf = _write_criteo(tmp_path / "eval.tsv", 300, seed=1)
+    base = ["--data", "criteo", "--train-files", str(train), "--eval-files", str(evalf), "--vocab", "64",
+            "--threads", "1", "--max-bad-fraction", "0.05"]
+    off = _config(tmp_path / "off", {**BLOCK, "interleave": {"prefetch_batches": 0}})
+    on = _config(tmp_path / "on", {**BLOCK, "interleave": {"prefetch_batches": 2}})
+
+    def run(config, out, steps, *extra):
+        argv = [*base, "--steps", str(steps), "--config", config, "--out", str(tmp_path / out), *extra]
+        return run_distributed(_run, 2, args=(argv,), timeout_s=55, init_process_group=False)
+
+    # until the data runs out. Rows are dealt round-robin and the 6 bad rows (149, 299, ...) are all rank 1's:
+    # rank 0 has 450 good rows (15 batches of 32, the last of 2), rank 1 444 (14, the last of 28); all ranks
+    # stop when rank 1's ends: 14 steps, 14 * 32 + 444 = 892 samples
+    straight = run(off, "straight", 100)
+    assert straight[0]["summary"]["steps"] == 14 and straight[0]["summary"]["samples"] == 892
+    half = run(on, "half", 4)
+    for rank in (0, 1):
+        d = half[rank]["data"]
+        assert d["prefetched"] and d["consumed"] == 4
+        # the reader itself was ahead when the checkpoint was written; the prefetcher's state was not
+        assert d["source_state"]["next_row"] > d["state"]["next_row"]
+        assert d["state"]["rows_yielded"] == 4 * 32
+    resumed = run(on, "half", 100, "--resume")
+    assert resumed[0]["summary"]["steps"] == 14 and resumed[0]["summary"]["samples"] == 892
+    assert _max_diff(resumed[0]["state"], straight[0]["state"]) == 0.0
+    assert resumed[0]["summary"]["log_loss"] == straight[0]["summary"]["log_loss"]
+    end = [resumed[r]["data"]["state"] for r in (0, 1)]
+    assert [e["next_row"] for e in end] == [straight[r]["data"]["state"]["next_row"] for r in (0, 1)]
+    # rank 1 read on from the consumed position to the end of the data, no row skipped
+    assert end[1]["next_row"] == 900 and end[1]["rows_yielded"] == 444 - 4 * 32
 
 
 def _build(tmp_path, block: dict):

@@ -1,5 +1,5 @@
 """Data pipeline of picasso_ops: CTR batches, a synthetic stream with a planted teacher,
-streaming Criteo TSV and parquet readers sharded by rank, and CTR metrics.
+streaming Criteo TSV and parquet readers sharded by rank, a background-thread prefetcher, and CTR metrics.
 
     from picasso_ops.data import SyntheticConfig, SyntheticCTRStream, CriteoTSVReader, auc
     stream = SyntheticCTRStream(SyntheticConfig(seed=3), batch_size=4096, rank=0, world_size=2)
@@ -9,6 +9,7 @@ from .batch import CTRBatch
 from .criteo import CriteoTSVReader
 from .metrics import auc, bayes_optimal_auc, bayes_optimal_log_loss, log_loss
 from .parquet import ParquetCTRReader
+from .prefetch import Prefetcher, PrefetchTimeout
 from .quality import BadRow, DataError
 from .synthetic import SyntheticConfig, SyntheticCTRGenerator, SyntheticCTRStream
 
@@ -19,6 +20,8 @@ __all__ = [
     "SyntheticCTRStream",
     "CriteoTSVReader",
     "ParquetCTRReader",
+    "Prefetcher",
+    "PrefetchTimeout",
     "DataError",
     "BadRow",
     "auc",

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from picasso_ops.data.batch import CTRBatch
+from picasso_ops.data.prefetch import Prefetcher, PrefetchTimeout
 from picasso_ops.distributed.step import sparse_modules, sparse_step
 from picasso_ops.embedding.packed import PackedEmbeddingCollection
 from picasso_ops.interleave.trace import Timeline
@@ -254,7 +255,10 @@ class ThreadPipeline:
 
 
 class BatchPrefetcher:
-    """Pull batches from an iterator on a ``load`` thread into a bounded queue (data loading overlapped with training).
+    """Pull batches from an iterator on a ``load`` thread (data loading overlapped with training).
+
+    A :class:`~picasso_ops.data.prefetch.Prefetcher` with this pipeline's error
+    types and ``load`` spans on the timeline.
 
     Args:
         batches: the source (e.g. ``iter(SyntheticCTRStream(...))``).
@@ -280,15 +284,11 @@ class BatchPrefetcher:
         poll_s: float = 0.05,
         first_index: int = 0,
     ) -> None:
-        self._source = batches
-        self._first_index = first_index  # the step number the first batch is for (labels the load spans)
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.timeout_s = timeout_s
         self.timeline = timeline or Timeline(enabled=False)
-        self._done = object()
-        self._thread = threading.Thread(target=self._run, name="interleave-load", daemon=True)
-        self._thread.start()
+        self._index = first_index  # the step number of the next batch (labels spans and errors)
+        self._loader: Prefetcher[Any] = Prefetcher(_timed_loads(batches, self.timeline, first_index), depth,
+                                                   timeout_s=timeout_s, poll_s=poll_s, name="interleave-load")
 
     def __enter__(self) -> "BatchPrefetcher":
         return self
@@ -296,50 +296,35 @@ class BatchPrefetcher:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _run(self) -> None:
-        index = self._first_index
-        while not self._stop.is_set():
-            try:
-                with self.timeline.span("load", None, index):
-                    item: Any = next(self._source)
-            except StopIteration:
-                item = self._done
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer with the stage name
-                error = StageError("load", None, index, exc)
-                error.__cause__ = exc
-                item = error
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=self.poll_s)
-                    break
-                except queue.Full:
-                    continue
-            if item is self._done or isinstance(item, StageError):
-                return
-            index += 1
-
     def next(self) -> Any:
         """The next batch, or ``None`` when the source is exhausted; raises the loader's error as :class:`StageError`."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                item = self._queue.get(timeout=self.poll_s)
-                break
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise PipelineTimeout(f"no batch from the load stage within {self.timeout_s:.0f}s") from None
-                if not self._thread.is_alive() and self._queue.empty():
-                    return None
-        if isinstance(item, StageError):
-            raise item
-        return None if item is self._done else item
+        try:
+            batch = next(self._loader)
+        except StopIteration:
+            return None
+        except PrefetchTimeout:
+            raise PipelineTimeout(f"no batch from the load stage within {self.timeout_s:.0f}s") from None
+        except Exception as exc:  # noqa: BLE001 - the source's error, named by stage and step
+            raise StageError("load", None, self._index, exc) from exc
+        self._index += 1
+        return batch
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the load thread (it finishes the batch it is reading) and join it with a deadline."""
-        self._stop.set()
-        self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive():
-            logger.warning("load thread still reading a batch after close")
+        self._loader.close(timeout_s=timeout_s)
+
+
+def _timed_loads(batches: Iterator[Any], timeline: Timeline, first_index: int) -> Iterator[Any]:
+    """``batches`` with one ``load`` span per ``next`` (runs on the load thread)."""
+    index = first_index
+    while True:
+        with timeline.span("load", None, index):
+            try:
+                item = next(batches)
+            except StopIteration:
+                return
+        yield item
+        index += 1
 
 
 class StagedModel(Protocol):
