@@ -34,7 +34,8 @@ from dist_env import init_distributed  # noqa: E402
 from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from picasso_ops.data.batch import CTRBatch  # noqa: E402
 from picasso_ops.data.prefetch import Prefetcher  # noqa: E402
-from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRStream  # noqa: E402
+from picasso_ops.data.row_range import RowRangeReader  # noqa: E402
+from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRGenerator, SyntheticCTRStream  # noqa: E402
 from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
 from picasso_ops.distributed import engine_step  # noqa: E402
 from picasso_ops.embedding.sparse_optim import OPTIMIZERS  # noqa: E402
@@ -123,29 +124,32 @@ def parse_straggler(text: str) -> Straggler:
 class ClaimedBatches:
     """Micro-batches of the batch numbers a GBAEngine hands this worker (fast workers take more).
 
-    Batch number ``i`` is the synthetic stream's global micro-batches ``i*gas .. i*gas+gas-1``
-    (with gas 1 a sync run reads exactly the per-rank streams' batches). ``index`` is the number
-    being trained; ``taken`` the job-wide resume point.
+    Batch number ``i`` is the job's global micro-batches ``i*gas .. i*gas+gas-1``: of the synthetic
+    stream (with gas 1 a sync run reads exactly the per-rank streams' batches) or, for files, global
+    rows ``[j*micro_batch, (j+1)*micro_batch)`` of micro-batch ``j`` (``RowRangeReader``). ``index``
+    is the number being trained; ``state()`` the job-wide resume point.
 
     Example::
 
-        for batch in ClaimedBatches(engine, cfg, micro_batch=256, gas=1, total=1000):
+        for batch in ClaimedBatches(engine, SyntheticCTRGenerator.for_config(cfg), 256, gas=1, total=1000):
             ...
     """
 
-    def __init__(self, engine: Any, config: SyntheticConfig, micro_batch: int, gas: int, total: int,
-                 start: int = 0) -> None:
-        from picasso_ops.data.synthetic import SyntheticCTRGenerator
-
+    def __init__(self, engine: Any, source: Any, micro_batch: int, gas: int, total: int, start: int = 0) -> None:
         self.engine, self.micro_batch, self.gas, self.total, self.start = engine, micro_batch, gas, total, start
-        self.generator = SyntheticCTRGenerator.for_config(config)
+        self.source = source  # SyntheticCTRGenerator or RowRangeReader
         self.index = -1
+
+    def _micro(self, j: int) -> CTRBatch:
+        if isinstance(self.source, RowRangeReader):
+            return self.source.rows(j * self.micro_batch, (j + 1) * self.micro_batch)
+        return self.source.batch(self.micro_batch, j, "train")
 
     def __iter__(self) -> Iterator[CTRBatch]:
         for index in self.engine.claim_batches(self.total, start=self.start):
             self.index = index
             for j in range(self.gas):
-                yield self.generator.batch(self.micro_batch, index * self.gas + j, "train")
+                yield self._micro(index * self.gas + j)
 
     def state(self) -> dict[str, int]:
         """The resume point: every batch number below it was handed out."""
@@ -191,10 +195,6 @@ class RecJob:
                 raise SystemExit(f"{args.config}: --eval-every with gba.mode={self.gba.mode!r}: workers run at their "
                                  "own pace in gba mode and evaluation is a collective over them; evaluate at the end "
                                  "(or score the --save-every checkpoints)")
-            if self.gba.mode != "sync" and args.data != "synthetic":
-                raise SystemExit(f"{args.config}: gba.mode={self.gba.mode!r} with --data {args.data}: gba and auto "
-                                 "modes hand batches out by number so that fast workers take more, which only the "
-                                 "synthetic stream supports yet; use gba.mode \"sync\" for file data")
             # the last num_servers ranks are parameter servers: data is split over the workers only
             self.world_size = max(1, world_size - self.gba.num_servers)
         elif args.server_tables:
@@ -219,8 +219,8 @@ class RecJob:
 
     @property
     def claims_batches(self) -> bool:
-        """Whether batches are handed out by number through the GBA engine (gba block, synthetic data)."""
-        return self.gba is not None and self.data_cfg is not None
+        """Whether batches are handed out by number through the GBA engine (every job with a gba block)."""
+        return self.gba is not None
 
     def train_stream(self, progress: "Progress", data_states: list[dict] | None, engine: Any = None):
         """This rank's training stream, positioned after what ``progress`` says was consumed.
@@ -234,8 +234,17 @@ class RecJob:
             # claiming ahead on a thread would take numbers this worker may never train (and a block
             # carrying prefetch_batches cannot be combined with gba yet anyway)
             start = int(data_states[0]["batches_taken"]) if data_states else 0
-            return ClaimedBatches(engine, self.data_cfg, self.micro_batch, self.grad_accum,
-                                  total=self.args.steps * self.world_size, start=start)
+            total = self.args.steps * self.world_size
+            if self.data_cfg is not None:
+                source: Any = SyntheticCTRGenerator.for_config(self.data_cfg)
+            else:  # batch k = file rows [k*gas*B, (k+1)*gas*B): each worker reads forward to its numbers
+                source = RowRangeReader(lambda row: self._file_reader(self.args.train_files, row, sharded=False))
+                in_files = source.num_rows // (self.micro_batch * self.grad_accum)  # whole batches only
+                if in_files < total and self.rank == 0:
+                    print(f"the training files hold {in_files:,} whole batches of {self.micro_batch * self.grad_accum} "
+                          f"rows, fewer than --steps x workers = {total:,}: training on those")
+                total = min(total, in_files)
+            return ClaimedBatches(engine, source, self.micro_batch, self.grad_accum, total=total, start=start)
         if self.data_cfg is not None:
             stream = SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
                                         split="train", start_batch=progress.micro_batches * self.world_size)
@@ -265,14 +274,15 @@ class RecJob:
                                       split="eval", num_batches=total)
         return self._file_reader(self.args.eval_files, 0)
 
-    def _file_reader(self, files: list[str], start_row: int):
+    def _file_reader(self, files: list[str], start_row: int, sharded: bool = True):
         if not files:
             raise SystemExit(f"--data {self.args.data} needs --train-files and --eval-files")
         from picasso_ops.data.criteo import CriteoTSVReader
         from picasso_ops.data.parquet import ParquetCTRReader
 
         cls = CriteoTSVReader if self.args.data == "criteo" else ParquetCTRReader
-        return cls(files, self.micro_batch, vocab_sizes=self.args.vocab, rank=self.rank, world_size=self.world_size,
+        rank, world = (self.rank, self.world_size) if sharded else (0, 1)
+        return cls(files, self.micro_batch, vocab_sizes=self.args.vocab, rank=rank, world_size=world,
                    start_row=start_row, max_bad_fraction=self.args.max_bad_fraction)
 
 
@@ -486,7 +496,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(job.grad_accum):
             batch = next(batches, None)
             if claimed:  # no collective per micro-step: the engine says when the shared total is used up
-                global_batch = 0 if batch is None else job.micro_batch
+                global_batch = 0 if batch is None else batch.batch_size  # files: bad rows are not samples
             else:
                 global_batch = _global_batch(batch, finite, job.micro_batch, group)
             if global_batch == 0:

@@ -105,3 +105,19 @@ def test_gba_run_saves_by_job_batches_and_resumes_from_them(tmp_path):
     w0, w1, _ = run_distributed(_run, 3, args=(resumed,), timeout_s=110, init_process_group=False)
     assert w0["local_samples"] + w1["local_samples"] == 4 * 32  # batches 8..11 of the job's 12
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "batch12"
+
+
+def test_gba_mode_on_criteo_files_hands_out_numbered_row_ranges(tmp_path):
+    """gba with file data: batch k is rows [32k, 32k + 32) of the files; the fast worker takes more of them."""
+    from tests.test_train_rec import _write_criteo
+
+    train = _write_criteo(tmp_path / "train.tsv", 700, seed=0, bad_every=100)  # lines 100, 200, ... are bad
+    evalf = _write_criteo(tmp_path / "eval.tsv", 256, seed=1)
+    argv = ["--data", "criteo", "--train-files", str(train), "--eval-files", str(evalf), "--vocab", "64",
+            "--threads", "1", "--max-bad-fraction", "0.05", "--steps", "100", "--straggler", "1:20",
+            "--config", _config(tmp_path, "gba"), "--out", str(tmp_path / "files")]
+    w0, w1, server = run_distributed(_run, 3, args=(argv,), timeout_s=110, init_process_group=False)
+    assert server == {"server": True}
+    # 700 rows hold 21 whole batches of 32 (rows 0-671, 6 of them bad): fewer than 100 steps x 2 workers
+    assert w0["steps"] + w1["steps"] == 21 and w0["steps"] > w1["steps"]
+    assert w0["samples"] == 672 - 6 and w0["eval_samples"] == 256 and 0.0 < w0["auc"] < 1.0

@@ -156,6 +156,10 @@ class ParquetCTRReader(ShardedRowReader):
             if not allowed:
                 raise DataError(f"{path}: column {name!r} has unsupported type {t}")
 
+    def total_rows(self) -> int:
+        """Rows in all files, from their footers."""
+        return sum(sum(layout.group_rows) for layout in self._layouts)
+
     def _groups(self, layout: _FileLayout) -> Iterator[tuple[int, int]]:
         """(row group in file, global row of its first row) for the groups this rank reads."""
         first = layout.first_row

@@ -200,5 +200,17 @@ class ShardedRowReader:
         self._rows_yielded += batch.batch_size
         return batch
 
+    def row_blocks(self) -> Iterator[RowBlock]:
+        """This rank's good rows from ``start_row`` on, as parsed (``RowBlock.row_index`` = global row numbers).
+
+        The unbatched view :class:`~picasso_ops.data.row_range.RowRangeReader` slices by row number.
+        """
+        self.tracker = BadRowTracker(self.max_bad_fraction, self.max_reported)
+        yield from self._blocks()
+
+    def total_rows(self) -> int:
+        """Rows in all files, good and bad (Criteo: one newline-counting pass; parquet: the footers)."""
+        raise NotImplementedError
+
     def _blocks(self) -> Iterator[RowBlock]:
         raise NotImplementedError
