@@ -3,18 +3,10 @@ import pytest
 
 from picasso_ops.data import CriteoTSVReader, DataError, ParquetCTRReader
 from picasso_ops.data.row_range import RowRangeReader
-from tests.test_data_files import random_rows, row_ids, to_parquet, write_tsv
+from tests.test_data_files import random_rows, row_ids, to_parquet
+from tests.test_data_files import two_files as files  # noqa: F401 - a fixture: 87 rows in 2 files, row 50 bad
 
 B = 8
-
-
-@pytest.fixture
-def files(tmp_path):
-    a = write_tsv(tmp_path / "a.tsv", random_rows(47, seed=5), trailing=False)
-    rows_b = random_rows(40, seed=6, first_id=47)
-    rows_b[3][0] = "7"  # one bad row (id 50) inside the second file
-    b = write_tsv(tmp_path / "b.tsv", rows_b)
-    return [a, b]
 
 
 def _tsv(files, **kw):
