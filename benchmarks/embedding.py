@@ -35,6 +35,11 @@ forward, then every method's step, in an order rotated each round
 (interleaved). Medians of wall time (``time.perf_counter``) and of the
 thread's CPU time (``time.thread_time``) are reported; on a shared machine CPU
 time is the less noisy of the two.
+The JSON rows also hold each method's median minor page faults per call
+(``*_fwd_faults``, ``*_step_faults``; ``getrusage(RUSAGE_THREAD)``), mostly
+from the fresh ``[B, F * D]`` output every method allocates per call, and
+the forward's CPU samples: the cost of those faults depends on the machine's
+memory state (see RESULTS.md, Embeddings, 2026-11-29 21:12).
 
 Run::
 
@@ -59,6 +64,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+
+try:
+    import resource
+except ImportError:  # not POSIX: no page-fault counts
+    resource = None  # type: ignore[assignment]
 
 import torch
 from torch import Tensor, nn
@@ -308,10 +318,19 @@ def check_agreement(methods: dict[str, Method], values: Tensor, lengths: Tensor,
 
 
 # ---------------------------------------------------------------- timing
-def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    w0, c0 = time.perf_counter(), time.thread_time()
+def _minor_faults() -> float:
+    """This thread's minor page faults so far (exact, unlike the tick-sampled user/sys split); NaN where unavailable."""
+    try:
+        return float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
+    except (AttributeError, OSError):  # not Linux / not POSIX
+        return float("nan")
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, float]:
+    """Wall ms, thread CPU ms and minor page faults of one call (the result is freed inside the timed region)."""
+    w0, c0, f0 = time.perf_counter(), time.thread_time(), _minor_faults()
     fn()
-    return (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
+    return (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3, _minor_faults() - f0
 
 
 def bench_config(
@@ -340,24 +359,29 @@ def bench_config(
         row["agreement"] = check_agreement(built, *batches[0], grad_out)
     names = list(built)
     samples: dict[str, dict[str, list[float]]] = {
-        n: {"fwd_wall": [], "fwd_cpu": [], "step_wall": [], "step_cpu": []} for n in names
+        n: {"fwd_wall": [], "fwd_cpu": [], "fwd_faults": [], "step_wall": [], "step_cpu": [], "step_faults": []}
+        for n in names
     }
     for r in range(warmup + reps):
         order = names[r % len(names):] + names[: r % len(names)]
         values, lengths = batches[r % len(batches)]
         for n in order:
-            wall, cpu = _timed(lambda: built[n].forward(values, lengths))
+            wall, cpu, faults = _timed(lambda: built[n].forward(values, lengths))
             if r >= warmup:
                 samples[n]["fwd_wall"].append(wall)
                 samples[n]["fwd_cpu"].append(cpu)
+                samples[n]["fwd_faults"].append(faults)
         for n in order:
-            wall, cpu = _timed(lambda: built[n].step(values, lengths, grad_out))
+            wall, cpu, faults = _timed(lambda: built[n].step(values, lengths, grad_out))
             if r >= warmup:
                 samples[n]["step_wall"].append(wall)
                 samples[n]["step_cpu"].append(cpu)
+                samples[n]["step_faults"].append(faults)
     for n in names:
         for key, vals in samples[n].items():
-            row[f"{n}_{key}_ms"] = statistics.median(vals) if vals else float("nan")
+            unit = "" if key.endswith("faults") else "_ms"
+            row[f"{n}_{key}{unit}"] = statistics.median(vals) if vals else float("nan")
+        row[f"{n}_fwd_cpu_samples_ms"] = [round(v, 1) for v in samples[n]["fwd_cpu"]]
     if "fbgemm_tbe" in built:
         for n in ("ours", "ours_cpp"):
             if n in built:
@@ -546,8 +570,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             r["command"] = cmd.strip()
             results.append(r)
             print(f"F={F} D={D} rows={rows} ({time.perf_counter() - ts:.0f}s): "
-                  + ", ".join(f"{m} fwd {r[f'{m}_fwd_cpu_ms']:.1f}/step {r[f'{m}_step_cpu_ms']:.1f}"
-                              for m in r["methods"]) + " ms cpu; "
+                  + ", ".join(f"{m} fwd {r[f'{m}_fwd_cpu_ms']:.1f} ({r[f'{m}_fwd_faults']:.0f} faults)"
+                              f"/step {r[f'{m}_step_cpu_ms']:.1f}" for m in r["methods"]) + " ms cpu; "
                   + ", ".join(f"{k}={v:.2f}" for k, v in r.items() if "_vs_fbgemm_" in k and k.endswith("cpu"))
                   + f"; agreement {r.get('agreement')}", flush=True)
             if args.json and not args.quick:  # partial results survive an interrupted run
