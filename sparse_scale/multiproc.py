@@ -146,10 +146,11 @@ def run_distributed(
                     continue
             if not ok:
                 raise DistributedRunError(f"rank {rank} of {world_size} failed:\n{payload}")
+            result = pickle.loads(payload)
             if rank in expect_exit:
                 raise DistributedRunError(f"rank {rank} was expected to exit with code {expect_exit[rank]} "
-                                          f"but returned {payload!r}")
-            outputs[rank] = pickle.loads(payload)
+                                          f"but returned {result!r}")
+            outputs[rank] = result
     finally:
         _stop_all(procs)
     return [outputs[r] for r in range(world_size)]
