@@ -2,7 +2,8 @@
 
 Modes (the ``"gba"`` block of the DeepSpeed config):
 
-* ``sync``: DeepSpeed all-reduce over the worker group (the parameter servers stay idle);
+* ``sync``: DeepSpeed all-reduce over the worker group; the servers only update the rows of
+  server tables (``tables.py``), once per global batch, and stay idle without them;
 * ``gba``: every global batch goes through the parameter servers with token control:
   a worker pulls the dense vector and a token, computes its local gradient and pushes it;
   the servers apply the mean of M = number of workers gradients (same global batch,

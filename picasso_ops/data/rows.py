@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 from dataclasses import dataclass
@@ -135,10 +136,10 @@ def check_readable(paths: str | os.PathLike | Sequence[str | os.PathLike], kind:
     return resolved
 
 
-class ShardedRowReader:
+class ShardedRowReader(abc.ABC):
     """What the file readers share: rank sharding, resume point, bad-row tracking, batching.
 
-    Subclasses implement ``_blocks()``, yielding this rank's good rows (``RowBlock``s
+    Subclasses implement ``total_rows()`` and ``_blocks()``, the latter yielding this rank's good rows (``RowBlock``s
     with global row indices >= ``start_row``) and feeding ``self.tracker``.
     """
 
@@ -208,9 +209,10 @@ class ShardedRowReader:
         self.tracker = BadRowTracker(self.max_bad_fraction, self.max_reported)
         yield from self._blocks()
 
+    @abc.abstractmethod
     def total_rows(self) -> int:
         """Rows in all files, good and bad (Criteo: one newline-counting pass; parquet: the footers)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _blocks(self) -> Iterator[RowBlock]:
-        raise NotImplementedError
+        """This rank's good rows from ``start_row`` on, feeding ``self.tracker``; sets ``self._end_row`` at the end."""
