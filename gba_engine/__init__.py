@@ -17,6 +17,7 @@ _EXPORTS = {
     "GBAConfig": "config",
     "GBAEngine": "engine",
     "initialize": "engine",
+    "rejoin": "engine",
     "ServerEmbeddingBagCollection": "tables",
     "Observer": "observe",
     "StragglerDetector": "straggler",
@@ -40,6 +41,7 @@ _EXPORTS = {
     "Pulled": "ps",
     "ServeStats": "ps",
     "init_runtime": "ps",
+    "join_runtime": "ps",
     "layout": "ps",
 }
 

@@ -20,6 +20,8 @@ Example::
     claims.next()              # 1  (then 5, 9, ...)
     claims.enter_gba(phase=1, base=claims.taken)
     claims.next()              # whatever the shared counter hands out
+
+A restarted worker (``gba_engine.rejoin``) calls ``join_gba(phase)`` and draws from the same counter.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ from torch.distributed import Store
 def counter_key(phase: int) -> str:
     """The TCPStore counter of gba phase ``phase``."""
     return f"gba/claims/{phase}"
+
+
+def base_key(phase: int) -> str:
+    """The first batch number of gba phase ``phase`` (what a restarted worker starts its claims from)."""
+    return f"gba/claims_base/{phase}"
 
 
 class BatchClaims:
@@ -55,6 +62,17 @@ class BatchClaims:
         """Start gba phase ``phase`` at batch ``base`` (the same on every worker)."""
         self.mode, self.base, self.phase = "gba", base, phase
         self.next_free = max(self.next_free, base)
+        self.store.set(base_key(phase), str(base))
+
+    def join_gba(self, phase: int) -> None:
+        """A restarted worker joins running gba phase ``phase`` at the base its peers published.
+
+        Raises LookupError when no worker of the job has claimed batches in that phase yet.
+        """
+        if not self.store.check([base_key(phase)]):
+            raise LookupError(f"gba phase {phase} has no claimed batches yet: the running job does not use "
+                              "claim_batches, or has not started it")
+        self.enter_gba(phase, int(self.store.get(base_key(phase))))
 
     @property
     def taken(self) -> int:

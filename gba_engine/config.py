@@ -52,3 +52,6 @@ class GBAConfig(_Block):
     # Gradients the servers aggregate per update (M). None: one per worker, i.e. the sync global
     # batch, which is GBA's tuning-free setting; 1 is plain asynchronous PS training.
     grads_per_update: PositiveInt | None = None
+    # Where the first server writes HOST:PORT of the control plane, for a restarted worker to rejoin
+    # (gba_engine.rejoin); None: not written (the address is still logged by the first server).
+    control_file: str | None = None

@@ -26,6 +26,11 @@ loop is therefore::
         engine.step()
     engine.close()                            # also called at exit
 
+A worker whose process died can be replaced while the job runs in a gba phase it keeps
+(mode ``gba``, or ``auto`` once a lost worker pinned it to gba): start a new process with
+:func:`rejoin` (same model and config, the worker's index); it takes batches from the
+same ``claim_batches`` counter and pushes under the same token control.
+
 The config's learning-rate scheduler runs on the servers too, as a function of the version
 (``ps/schedule.py``: DeepSpeed's own classes), so sync, gba and auto follow one curve, and so
 does ``gradient_clipping`` (DeepSpeed's default 1.0 when absent): the servers clip the
@@ -55,7 +60,7 @@ from .claims import BatchClaims
 from .config import GBAConfig
 from .observe import Observer
 from .ps import OptimizerSpec, ParameterServer, PSClient, PSRuntime, init_runtime, layout
-from .ps.runtime import Liveness
+from .ps.runtime import Liveness, join_runtime, joinable_key, version_key
 from .ps.schedule import ServerLRSchedule
 from .ps.sharding import DenseSharding, EmbeddingSpec
 from .straggler import StragglerDetector
@@ -129,10 +134,14 @@ def _load(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict, GBAConfi
     return dict(job.ds), job.blocks.get("gba") or GBAConfig(), source
 
 
-def _check(ds: dict, gba: GBAConfig, world: int, source: str) -> OptimizerSpec:
-    """Every config mistake as one clear ValueError, raised on every rank before any collective."""
+def _check(ds: dict, gba: GBAConfig, world: int | None, source: str) -> OptimizerSpec:
+    """Every config mistake as one clear ValueError, raised on every rank before any collective.
+
+    ``world=None`` (a restarted worker, before it knows the launch) skips the layout check.
+    """
     try:
-        layout(world, gba.num_servers)
+        if world is not None:
+            layout(world, gba.num_servers)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     if "optimizer" not in ds:
@@ -215,6 +224,52 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     return engine
 
 
+def rejoin(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any], worker: int,
+           control_plane: str | os.PathLike | None = None) -> "GBAEngine":
+    """Replace worker ``worker`` of a running job whose process died; returns its engine, in gba mode.
+
+    Needs no torch.distributed: the new process reaches the servers through the control
+    plane at ``control_plane`` (``HOST:PORT`` or a file holding it; default: the config's
+    ``gba.control_file``, which the first server writes at launch) and a private gloo pair
+    with each server. The job must be in a gba phase it keeps: mode ``gba``, or ``auto``
+    after a lost worker pinned it to gba (DeepSpeed's all-reduce group is fixed at launch, so
+    a restarted process cannot take part in sync training). The old process must be dead
+    (its heartbeat stopped for 5 x ``heartbeat_s``). Every failed check is a clear error.
+
+    The engine has no DeepSpeed engine and no ``worker_group`` (collectives over the
+    launch's workers cannot include it); :meth:`GBAEngine.claim_batches` continues the job's
+    batch numbers (its ``start`` is ignored).
+
+    Example::
+
+        engine = gba_engine.rejoin(model=net, config="ds_configs/gba_cpu.json", worker=1)
+        for index in engine.claim_batches(total=steps * engine.num_workers):
+            engine.backward(loss_fn(engine(x[index]), y[index])); engine.step()
+        engine.close()
+    """
+    ds, gba, source = _load(config)
+    if gba.mode == "sync":
+        raise ValueError(f"{source}: gba.mode='sync' has no parameter-server phase a restarted worker can join "
+                         "(DeepSpeed's all-reduce group is fixed at launch); use mode gba or auto")
+    control = control_plane if control_plane is not None else gba.control_file
+    if control is None:
+        raise ValueError(f"{source}: rejoin needs the job's control plane: set gba.control_file or pass "
+                         "control_plane='HOST:PORT'")
+    spec = _check(ds, gba, None, source)  # config mistakes before anything is asked of the servers
+    tables, collections = server_tables(model)
+    rt = join_runtime(gba, worker, control)
+    if rt.layout.num_servers != gba.num_servers:
+        rt.close()
+        raise ValueError(f"{source}: gba.num_servers={gba.num_servers}, the running job has {rt.layout.num_servers}")
+    phase = int(rt.store.get(joinable_key()))
+    engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model,
+                       micro=int(ds.get("train_micro_batch_size_per_gpu", 1)),
+                       gas=int(ds.get("gradient_accumulation_steps", 1)), tables=tables, joined_phase=phase)
+    for c in collections:
+        c.bind(engine)
+    return engine
+
+
 class _ServerLoop:
     """Runs on a server rank: executes the first worker's commands (put/get state, serve, save, load)."""
 
@@ -231,7 +286,7 @@ class _ServerLoop:
                                   lr_schedule=schedule, clip_norm=clip_norm)
         self.tables = tables
         self.totals: dict = {"received": 0, "counted": 0, "dropped": 0, "decayed": 0, "staleness": {},
-                             "lost_workers": [], "version": 0, "pushes": {}}
+                             "lost_workers": [], "rejoined": [], "version": 0, "pushes": {}}
         self.last_save = 0
         self.phase = 0  # gba phases served so far (the engine numbers them the same way)
         self.dense_phase = True
@@ -334,6 +389,7 @@ class _ServerLoop:
         for tau, n in stats.tokens["staleness"].items():
             t["staleness"][str(tau)] = t["staleness"].get(str(tau), 0) + n
         t["lost_workers"] = sorted(set(t["lost_workers"]) | set(stats.lost_workers))
+        t["rejoined"] = t["rejoined"] + stats.rejoined
         for w, n in stats.pushes.items():
             t["pushes"][str(w)] = t["pushes"].get(str(w), 0) + n
         t["version"] = ps.version
@@ -351,7 +407,7 @@ class GBAEngine:
 
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, ds_engine, module: torch.nn.Module,
                  micro: int, gas: int, server_stats: dict | None = None,
-                 tables: list[EmbeddingSpec] | None = None) -> None:
+                 tables: list[EmbeddingSpec] | None = None, joined_phase: int | None = None) -> None:
         self.rt, self.gba, self.spec, self.ds_engine, self.module = rt, gba, spec, ds_engine, module
         self.tables = list(tables or [])  # ServerEmbeddingBagCollection tables: rows on the servers in every mode
         self._pulled_rows: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (table, unique ids, leaf) this step
@@ -382,10 +438,27 @@ class GBAEngine:
         self._claims: BatchClaims | None = None
         self._closed = self.is_server
         self._worker_live = Liveness(rt, self.workers) if not self.is_server else None
+        self.rejoined = joined_phase is not None  # a restarted process (rejoin): gba only, no DeepSpeed engine
+        if self.rejoined:
+            self._join_phase(joined_phase)
         if not self.is_server:
             atexit.register(self.close)
             if self.mode == "sync":
                 self._begin_table_phase()
+
+    def _join_phase(self, phase: int) -> None:
+        """A restarted worker enters the job's running gba phase, which it never leaves."""
+        store = self.rt.store
+        self.mode, self.truth, self._phase, self._pinned = "gba", "servers", phase, True
+        self.observer.mode = "gba"
+        versions = [int(store.get(version_key(s))) if store.check([version_key(s)]) else 0
+                    for s in self.rt.layout.servers]
+        self._phase_v0 = self.version = min(versions)  # max_lead counts this worker's pulls from here
+        self._cmd_seq = 0
+        while store.check([_cmd_key(self._cmd_seq)]):  # a restarted first worker continues the command sequence
+            self._cmd_seq += 1
+        self.client = PSClient(self.rt, sum(p.numel() for p in self.module.parameters()), self.tables)
+        self.detector = StragglerDetector.from_config(self.gba.switch, self.num_workers, mode="gba")
 
     # ------------------------------------------------------------------ DeepSpeedEngine surface
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -478,7 +551,9 @@ class GBAEngine:
         if not 0 <= start <= total:
             raise ValueError(f"start={start} must be in [0, total={total}]")
         self._claims = BatchClaims(self.rt.store, self.num_workers, self.workers.index(self.rt.rank), total)
-        if self.mode == "gba":
+        if self.rejoined:
+            self._claims.join_gba(self._phase)
+        elif self.mode == "gba":
             if self.client is None:
                 self._enter_gba()  # numbers a gba phase on every worker, so enter it before the first claim
             self._claims.enter_gba(self._phase, start)
@@ -630,6 +705,8 @@ class GBAEngine:
         if first:
             self._command("serve", m=self.gba.grads_per_update or self.num_workers)  # acknowledged when the phase ends
         self._phase += 1
+        if first and self.gba.mode == "gba":  # the job never leaves this phase: a restarted worker may join it
+            self.rt.store.set(joinable_key(), str(self._phase))
         self._phase_v0, self._phase_pushes, self._token, self._micro = self.version, 0, None, 0
         if self._claims is not None:
             self._claims.enter_gba(self._phase, self._claims.taken)  # sync lockstep: the same base everywhere
@@ -723,6 +800,7 @@ class GBAEngine:
             lost = self._worker_live.poll()
             if lost:
                 self._pinned = True  # DeepSpeed's all-reduce cannot run without them: stay in gba
+                store.set(joinable_key(), str(self._phase))  # ... where a restarted worker may join
                 logger.warning("gba: workers %s are gone; auto mode stays in gba", sorted(lost))
             else:
                 d = self.detector.observe(times)
@@ -807,6 +885,8 @@ class GBAEngine:
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str | None, dict]:
         """Restore a checkpoint written by :meth:`save_checkpoint`; call it before training or in sync mode."""
         self._worker_only("load_checkpoint")
+        if self.rejoined:
+            raise RuntimeError("a rejoined worker trains on the running job's state; it cannot load a checkpoint")
         if self.mode == "gba" and self.client is not None:
             raise RuntimeError("load_checkpoint must be called before training starts or in sync mode, not in gba")
         latest = Path(load_dir) / "latest"

@@ -243,7 +243,7 @@ class PSClient:
                         min_version=min_version, num_samples=num_samples, flags=flags,
                         n_ints=0 if ints is None else ints.numel(), n_floats=0 if floats is None else floats.numel())
         try:
-            self._outgoing.append(send_message(header, ints, floats, server, self.rt.ps_group))
+            self._outgoing.append(send_message(header, ints, floats, self.rt.link(server)))
             self.rt.ring(server)  # after the isends: the server will only recv data already on its way
         except RuntimeError as exc:
             self._broken = exc
@@ -262,15 +262,16 @@ class PSClient:
                     raise PSConnectionError(
                         f"rank {self.rt.rank}: no reply from server ranks {missing} within timeout_s={self.rt.timeout_s}"
                     )
-                src = self.rt.wait_doorbell(min(remaining, self.rt.heartbeat_s))
-                if src is None:
+                bell = self.rt.wait_doorbell(min(remaining, self.rt.heartbeat_s))
+                if bell is None:
                     lost = self._liveness.poll() & (set(seqs) - set(replies))
                     if lost:
                         raise PSConnectionError(f"rank {self.rt.rank}: server ranks {sorted(lost)} stopped heartbeating")
                     continue
-                if src not in seqs or src in replies:
-                    raise ProtocolError(f"rank {self.rt.rank}: unexpected reply from rank {src}")
-                header, _, floats = recv_message(src, self.rt.ps_group)
+                src = bell.src
+                if bell.join or src not in seqs or src in replies:
+                    raise ProtocolError(f"rank {self.rt.rank}: unexpected doorbell {bell}")
+                header, _, floats = recv_message(self.rt.link(src), src)
                 if header.kind is not Kind.REPLY or header.seq != seqs[src]:
                     raise ProtocolError(f"rank {self.rt.rank}: expected the reply to request {seqs[src]} from rank "
                                         f"{src}, got {header.kind.name} #{header.seq}")

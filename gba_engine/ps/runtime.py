@@ -14,11 +14,17 @@ rest are workers. :func:`init_runtime` (called by every rank, right after
   with it; a separate client connection also gets its own timeouts without touching
   the ones c10d and DeepSpeed rely on.
 
-The store carries the doorbells (one queue per rank: a sender pushes its rank after
-posting its gloo sends, the receiver pops with a deadline and only then posts the gloo
-recv), heartbeats (a counter per rank, bumped by a daemon thread; observers time the
+The store carries the doorbells (one queue per rank: a sender pushes ``rank:incarnation``
+after posting its gloo sends, the receiver pops with a deadline and only then posts the
+gloo recv), heartbeats (a counter per rank, bumped by a daemon thread; observers time the
 changes on their own clock, so hosts need no synchronised clocks), published versions
 and the close handshake.
+
+A worker process that died can be replaced while the job runs (:func:`join_runtime`):
+gloo membership is fixed when a group is built, so the new process (incarnation k + 1 of
+that worker) gets a private two-rank gloo group with each server, built over a prefix of
+the control-plane store when the server pops its ``join`` doorbell. Doorbells and worker
+inboxes carry the incarnation, so nothing sent to or by the dead process reaches the new one.
 
 Example::
 
@@ -40,7 +46,7 @@ import os
 import socket
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
@@ -117,9 +123,23 @@ def layout(world_size: int, num_servers: int) -> Layout:
     return Layout(world_size=world_size, num_servers=num_servers)
 
 
-def inbox_key(rank: int) -> str:
-    """The doorbell queue of ``rank``."""
-    return f"gba/inbox/{rank}"
+def inbox_key(rank: int, incarnation: int = 0) -> str:
+    """The doorbell queue of ``rank`` (a worker restarted k times reads its own, ``incarnation`` k)."""
+    return f"gba/inbox/{rank}" if incarnation == 0 else f"gba/inbox/{rank}/{incarnation}"
+
+
+def incarnation_key(rank: int) -> str:
+    """The counter of restarts of worker ``rank`` (0: the process of the launch)."""
+    return f"gba/incarnation/{rank}"
+
+
+def joinable_key() -> str:
+    """Set (to the gba phase number) while the job accepts restarted workers: a gba phase it will not leave."""
+    return "gba/joinable"
+
+
+def _layout_key() -> str:
+    return "gba/layout"
 
 
 def heartbeat_key(rank: int) -> str:
@@ -147,6 +167,41 @@ def _reachable_host(master_addr: str) -> str:
             return s.getsockname()[0]
     except OSError as exc:
         raise PSConnectionError(f"cannot find an address of this host that reaches MASTER_ADDR={master_addr}: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The gloo group that carries this rank's messages to/from one peer, and the peer's rank in it."""
+
+    group: dist.ProcessGroup
+    peer: int  # the peer's rank inside ``group``
+    incarnation: int = 0  # the worker's restart count this link belongs to
+
+    def send(self, tensor) -> "dist.Work":
+        """Post an isend of ``tensor`` to the peer."""
+        return self.group.send([tensor], self.peer, 0)
+
+    def recv(self, tensor) -> None:
+        """Receive ``tensor`` from the peer (only after its doorbell: the data is on its way)."""
+        self.group.recv([tensor], self.peer, 0).wait()
+
+
+class Doorbell(NamedTuple):
+    """One popped doorbell: a message from ``src``, or a restarted worker asking to ``join``."""
+
+    src: int
+    incarnation: int
+    join: bool = False
+
+
+def _pair_group(store: TCPStore, host: str, worker: int, server: int, incarnation: int, is_worker: bool,
+                timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A two-rank gloo group (worker = rank 0, server = rank 1), rendezvous under its own store prefix."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_reachable_host(host))]
+    prefix = dist.PrefixStore(f"gba/pair/{worker}/{server}/{incarnation}/", store)
+    return dist.ProcessGroupGloo(prefix, 0 if is_worker else 1, 2, opts)
 
 
 class _Heartbeat:
@@ -211,35 +266,70 @@ class PSRuntime:
 
     rank: int
     layout: Layout
-    ps_group: dist.ProcessGroup
+    ps_group: dist.ProcessGroup | None  # None in a restarted worker (its peers are in _links)
     worker_group: dist.ProcessGroup | None
     store: TCPStore  # main-thread client (TCPStore clients are not shared across threads)
     store_host: str
     store_port: int
     timeout_s: float
     heartbeat_s: float
+    incarnation: int = 0  # 0: launched with the job; k: this worker's k-th restart (join_runtime)
     _heartbeat: _Heartbeat | None = None
     _closed: bool = False
+    _links: dict = dataclasses.field(default_factory=dict)  # peer -> Link replacing (ps_group, peer)
 
     @property
     def is_server(self) -> bool:
         """True on parameter-server ranks."""
         return self.layout.role(self.rank) == "server"
 
+    def link(self, peer: int) -> Link:
+        """How to reach ``peer``: the launch's ``ps_group``, or the pair group of a restarted worker."""
+        if peer in self._links:
+            return self._links[peer]
+        if self.ps_group is None:
+            raise PSConnectionError(f"rank {self.rank} (incarnation {self.incarnation}) has no link to rank {peer}")
+        return Link(self.ps_group, peer)
+
     def ring(self, dst: int) -> None:
         """Tell ``dst`` that a message from this rank is on its way (after its isends are posted)."""
-        self.store.queue_push(inbox_key(dst), str(self.rank))
+        self.store.queue_push(inbox_key(dst, self.link(dst).incarnation), f"{self.rank}:{self.incarnation}")
 
-    def wait_doorbell(self, timeout_s: float) -> int | None:
-        """The rank whose message arrived next, or None after ``timeout_s`` (a harmless store timeout)."""
-        self.store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 0.001)))
+    def wait_doorbell(self, timeout_s: float) -> Doorbell | None:
+        """The next doorbell, or None after ``timeout_s`` (a harmless store timeout).
+
+        Doorbells of a dead incarnation of a worker (rung before it died) are skipped: their
+        data went over a group the new incarnation does not use.
+        """
+        deadline = time.monotonic() + timeout_s
         try:
-            raw = self.store.queue_pop(inbox_key(self.rank), block=True)
-        except dist.DistStoreError:
-            return None
+            while True:
+                self.store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                try:
+                    raw = self.store.queue_pop(inbox_key(self.rank, self.incarnation), block=True).decode()
+                except dist.DistStoreError:
+                    return None
+                kind, _, rest = raw.rpartition("|")
+                src, _, inc = rest.partition(":")
+                bell = Doorbell(int(src), int(inc), join=kind == "join")
+                if bell.join or bell.incarnation == self.link(bell.src).incarnation:
+                    return bell
+                logger.debug("rank %d: skipped a doorbell of rank %d's dead incarnation %d", self.rank, bell.src,
+                             bell.incarnation)
         finally:
             self.store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
-        return int(raw)
+
+    def accept_join(self, worker: int, incarnation: int) -> None:
+        """Server side of a rejoin: build the pair group with ``worker``'s new incarnation (blocks, bounded).
+
+        Raises RuntimeError when the new process does not build its side within ``timeout_s``.
+        """
+        if incarnation <= self.link(worker).incarnation:
+            raise ValueError(f"rank {self.rank}: join of worker {worker} incarnation {incarnation}, which is not "
+                             f"newer than {self.link(worker).incarnation}")
+        group = _pair_group(self.store, self.store_host, worker, self.rank, incarnation, is_worker=False,
+                            timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._links[worker] = Link(group, 0, incarnation)
 
     def close(self) -> None:
         """Stop the heartbeat and say goodbye; the store host waits (bounded) for everyone else first."""
@@ -267,6 +357,84 @@ class PSRuntime:
         logger.warning("PS store host closing with ranks %s still open after %.0fs", pending, self.timeout_s)
 
 
+def _publish_control_plane(store: TCPStore, host: str, port: int, lay: Layout, control_file: str | None) -> None:
+    store.set(_layout_key(), f"{lay.world_size}|{lay.num_servers}")
+    if control_file:
+        path = os.path.abspath(control_file)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{host}:{port}\n")
+        os.replace(tmp, path)  # a restart script never reads half an address
+
+
+def _control_address(control_plane: str | os.PathLike) -> tuple[str, int]:
+    text = str(control_plane)
+    if os.path.exists(text):
+        text = open(text).read().strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"control plane {str(control_plane)!r} is neither HOST:PORT nor a file holding it "
+                         "(gba.control_file of the running job)")
+    return host, int(port)
+
+
+def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLike) -> PSRuntime:
+    """Connect a restarted worker process to a running job as ``worker`` (no torch.distributed needed).
+
+    ``control_plane`` is ``HOST:PORT`` or the job's ``gba.control_file``. Checks, each a
+    clear error: the address answers, ``worker`` is a worker of the job, the job is in a gba
+    phase it will not leave (:func:`joinable_key`; sync mode keeps DeepSpeed's static group)
+    and the old process of ``worker`` is gone (its heartbeat has not moved for the lease).
+    Then it rings a ``join`` doorbell at every server and builds a pair group with each.
+
+    Example::
+
+        rt = join_runtime(GBAConfig(mode="gba", timeout_s=30), worker=1, control_plane="runs/x/control_plane")
+        client = PSClient(rt, dense_numel=n, embedding_specs=specs)
+    """
+    host, port = _control_address(control_plane)
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
+        world, _, servers = store.get(_layout_key()).decode().partition("|")
+    except (RuntimeError, dist.DistStoreError) as exc:
+        raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
+    lay = layout(int(world), int(servers))
+    if worker not in lay.workers:
+        raise ValueError(f"rank {worker} is not a worker of the running job (workers {list(lay.workers)}, "
+                         f"servers {list(lay.servers)}): only a worker can rejoin")
+    deadline = time.monotonic() + config.timeout_s
+    while not store.check([joinable_key()]):
+        if time.monotonic() > deadline:
+            raise PSConnectionError(f"the job at {host}:{port} does not accept a restarted worker: it is not in a gba "
+                                    f"phase it keeps (sync mode runs DeepSpeed's fixed group) after "
+                                    f"{config.timeout_s:.0f}s")
+        time.sleep(0.05)
+    beat, since = store.add(heartbeat_key(worker), 0), time.monotonic()
+    lease = HEARTBEAT_LEASE * config.heartbeat_s
+    while time.monotonic() - since <= lease:  # the old process must be gone, or two would speak for one worker
+        time.sleep(min(config.heartbeat_s, 0.05))
+        if store.add(heartbeat_key(worker), 0) != beat:
+            raise ValueError(f"worker {worker} of the job at {host}:{port} is alive (its heartbeat moves): "
+                             "only a worker whose process died can be replaced")
+    incarnation = store.add(incarnation_key(worker), 1)
+    heartbeat = _Heartbeat(host, port, worker, config.heartbeat_s, config.timeout_s)
+    links = {}
+    try:
+        for s in lay.servers:
+            store.queue_push(inbox_key(s), f"join|{worker}:{incarnation}")
+        for s in lay.servers:  # in server order; each server builds its side when it pops the join
+            links[s] = Link(_pair_group(store, host, worker, s, incarnation, is_worker=True, timeout=timeout), 1)
+    except RuntimeError as exc:
+        heartbeat.stop(config.heartbeat_s + 1.0)
+        raise PSConnectionError(f"worker {worker} could not connect to the servers of the job at {host}:{port} "
+                                f"within {config.timeout_s:.0f}s (has the job ended?): {exc}") from exc
+    logger.info("worker %d rejoined the job at %s:%d as incarnation %d", worker, host, port, incarnation)
+    return PSRuntime(rank=worker, layout=lay, ps_group=None, worker_group=None, store=store, store_host=host,
+                     store_port=port, timeout_s=config.timeout_s, heartbeat_s=config.heartbeat_s,
+                     incarnation=incarnation, _heartbeat=heartbeat, _links=links)
+
+
 def init_runtime(config: GBAConfig) -> PSRuntime:
     """Create the PS groups and control plane; every rank of the launch must call it, in the same order.
 
@@ -292,6 +460,7 @@ def init_runtime(config: GBAConfig) -> PSRuntime:
         host = _reachable_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         port = store.port
+        _publish_control_plane(store, host, port, lay, config.control_file)
         default_store.set(addr_key, f"{host}:{port}")
     else:
         host, _, port_text = default_store.get(addr_key).decode().rpartition(":")

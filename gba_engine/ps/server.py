@@ -16,7 +16,8 @@ rows ``id % S == s`` of every table. It runs a single-threaded event loop:
 No barrier among workers: whoever pushes next is served next, so a fast worker makes
 more pushes than a slow one. A worker that dies (its gloo pair closes) or stops
 heartbeating is dropped; its in-flight token is simply never seen and the others fill
-M. After ``until_version`` the server answers pulls with the final parameters and a
+M. A restarted process of that worker rings a ``join`` doorbell: the server builds a pair
+group with it (``PSRuntime.accept_join``) and serves it from then on like any worker. After ``until_version`` the server answers pulls with the final parameters and a
 finished flag and drains pushes until every worker has said goodbye or is gone.
 
 Example::
@@ -94,7 +95,8 @@ class ServeStats:
     tokens: dict  # TokenStats.as_dict(): received/counted/dropped/decayed/rejected/staleness histogram
     pushes: dict  # worker rank -> pushes received before finishing
     drained: int  # pushes received after finishing (discarded)
-    lost_workers: list  # workers that died or stopped heartbeating
+    lost_workers: list  # workers that died or stopped heartbeating (and did not rejoin)
+    rejoined: list  # restarted workers accepted during this serve (a worker per join)
     stalls: int  # times every live worker waited for a version nobody could produce
     seconds: float
 
@@ -171,6 +173,7 @@ class ParameterServer:
         self._next_seq = {w: 0 for w in self.workers}
         self._outgoing: dict[int, list[Outgoing]] = {w: [] for w in self.workers}
         self._deferred: list[_PendingPull] = []
+        self._rejoined: list[int] = []
         self._pushes: collections.Counter = collections.Counter()
         self._drained = 0
         self._stalls = 0
@@ -292,6 +295,7 @@ class ParameterServer:
                 self._peers[w], self._next_seq[w] = _Peer.ACTIVE, 0
         self._silent_since.clear()
         self._deferred, self._pushes, self._drained, self._stalls = [], collections.Counter(), 0, 0
+        self._rejoined = []
         self._finished = self.data_ended = False
         self._phase_id += 1
 
@@ -312,11 +316,13 @@ class ParameterServer:
         while not self._should_stop(until_version, time.monotonic() - last_active):
             if max_seconds is not None and time.monotonic() - t0 > max_seconds:
                 raise TimeoutError(f"PS {self.index}: serve() passed max_seconds={max_seconds} at version {self.version}")
-            src = self.rt.wait_doorbell(self.rt.heartbeat_s)
-            if src is not None:
-                self._handle(src, until_version)
+            bell = self.rt.wait_doorbell(self.rt.heartbeat_s)
+            if bell is not None and bell.join:
+                self._on_join(bell.src, bell.incarnation)
+            elif bell is not None:
+                self._handle(bell.src, until_version)
             now = time.monotonic()
-            if src is None or now >= next_check:
+            if bell is None or now >= next_check:
                 next_check = now + self.rt.heartbeat_s
                 self._check_liveness(live)
                 self._check_stall()
@@ -329,6 +335,7 @@ class ParameterServer:
             server=self.index, version=self.version, updates=self.version - start_version, tokens=self.control.stats.as_dict(),
             pushes=dict(self._pushes), drained=self._drained,
             lost_workers=sorted(w for w, p in self._peers.items() if p in (_Peer.DEAD, _Peer.SILENT)),
+            rejoined=list(self._rejoined),
             stalls=self._stalls, seconds=time.monotonic() - t0,
         )
         logger.info("PS %d done: %s", self.index, stats)
@@ -357,7 +364,7 @@ class ParameterServer:
             return
         try:
             self._reap(src)
-            header, ints, floats = recv_message(src, self.rt.ps_group)
+            header, ints, floats = recv_message(self.rt.link(src), src)
         except RuntimeError as exc:
             if isinstance(exc, ProtocolError):
                 raise
@@ -524,7 +531,7 @@ class ParameterServer:
         header = Header(kind=Kind.REPLY, seq=pull.seq, src=self.rt.rank, schema=self.schema, version=self.version,
                         flags=flags, n_floats=floats.numel())
         try:
-            self._outgoing[pull.src].append(send_message(header, None, floats, pull.src, self.rt.ps_group))
+            self._outgoing[pull.src].append(send_message(header, None, floats, self.rt.link(pull.src)))
             self.rt.ring(pull.src)
         except RuntimeError as exc:
             self._mark_dead(pull.src, exc)
@@ -544,6 +551,25 @@ class ParameterServer:
                 except RuntimeError as exc:
                     logger.warning("PS %d: last reply to worker %d failed: %s", self.index, w, exc)
             self._outgoing[w] = []
+
+    def _on_join(self, worker: int, incarnation: int) -> None:
+        """A restarted process of ``worker`` asks in: link to it, forget what the dead one left behind."""
+        if worker not in self._peers:
+            logger.error("PS %d: ignoring a join of rank %d, which is not a worker", self.index, worker)
+            return
+        t0 = time.monotonic()
+        try:
+            self.rt.accept_join(worker, incarnation)
+        except (RuntimeError, ValueError) as exc:  # the new process vanished mid-join: it stays lost
+            logger.warning("PS %d: worker %d (incarnation %d) could not join: %s", self.index, worker, incarnation,
+                           str(exc).splitlines()[0][:200])
+            return
+        self._peers[worker], self._next_seq[worker], self._outgoing[worker] = _Peer.ACTIVE, 0, []
+        self._silent_since.pop(worker, None)
+        self._deferred = [p for p in self._deferred if p.src != worker]  # pulls of the dead process
+        self._rejoined.append(worker)
+        logger.warning("PS %d: worker %d rejoined as incarnation %d at version %d (link built in %.2fs)", self.index,
+                       worker, incarnation, self.version, time.monotonic() - t0)
 
     def _mark_dead(self, worker: int, exc: BaseException) -> None:
         logger.warning("PS %d: worker %d is gone (%s); continuing with the others at version %d",

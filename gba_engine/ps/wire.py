@@ -1,6 +1,7 @@
 """The parameter-server wire format: one fixed-size int64 header, then at most two payloads.
 
-A message is sent with gloo point-to-point on the PS process group:
+A message is sent with gloo point-to-point over the peer's :class:`~.runtime.Link` (the
+PS process group, or a restarted worker's pair group):
 
 1. ``header``: int64[HEADER_LEN] (fields below);
 2. ``ints``:   int64[n_ints]    when n_ints > 0  (per-table id counts, then the ids);
@@ -18,9 +19,9 @@ pair closure"), so deadlines live on the store, never on a gloo recv.
 Example::
 
     h = Header(kind=Kind.PULL, seq=3, src=0, schema=schema_id(10, specs), n_ints=5)
-    out = send_message(h, ints=ids_payload, floats=None, dst=2, group=ps_group)
+    out = send_message(h, ints=ids_payload, floats=None, link=rt.link(2))
     ... ring the doorbell ...
-    h2, ints, floats = recv_message(src=0, group=ps_group)    # on rank 2
+    h2, ints, floats = recv_message(rt.link(0), src=0)    # on rank 2
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ import zlib
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .sharding import EmbeddingSpec
@@ -142,7 +142,6 @@ def unpack_floats(floats: Tensor, dense_numel: int, counts: Sequence[int], dims:
 class Outgoing:
     """The works of one sent message and the tensors they read (kept alive until waited)."""
 
-    dst: int
     works: list
     tensors: list[Tensor]
 
@@ -154,7 +153,7 @@ class Outgoing:
         self.tensors = []
 
 
-def send_message(header: Header, ints: Tensor | None, floats: Tensor | None, dst: int, group) -> Outgoing:
+def send_message(header: Header, ints: Tensor | None, floats: Tensor | None, link) -> Outgoing:
     """Post the ``isend``s of one message (header, then non-empty payloads); returns at once."""
     if (ints is None and header.n_ints) or (ints is not None and ints.numel() != header.n_ints):
         raise ProtocolError(f"header says {header.n_ints} ints, payload has {None if ints is None else ints.numel()}")
@@ -166,21 +165,21 @@ def send_message(header: Header, ints: Tensor | None, floats: Tensor | None, dst
         tensors.append(ints.contiguous())
     if header.n_floats:
         tensors.append(floats.contiguous())
-    works = [dist.isend(t, dst=dst, group=group) for t in tensors]
-    return Outgoing(dst=dst, works=works, tensors=tensors)
+    works = [link.send(t) for t in tensors]
+    return Outgoing(works=works, tensors=tensors)
 
 
-def recv_message(src: int, group) -> tuple[Header, Tensor, Tensor]:
-    """Receive one announced message from ``src``: (header, ints, floats); empty payloads are empty tensors."""
+def recv_message(link, src: int) -> tuple[Header, Tensor, Tensor]:
+    """Receive one announced message from rank ``src`` over its ``link``: (header, ints, floats); empty payloads are empty."""
     raw = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.recv(raw, src=src, group=group)
+    link.recv(raw)
     header = Header.from_tensor(raw)
     if header.src != src:
         raise ProtocolError(f"message from rank {src} claims to come from rank {header.src}")
     ints = torch.empty(header.n_ints, dtype=torch.int64)
     floats = torch.empty(header.n_floats, dtype=torch.float32)
     if header.n_ints:
-        dist.recv(ints, src=src, group=group)
+        link.recv(ints)
     if header.n_floats:
-        dist.recv(floats, src=src, group=group)
+        link.recv(floats)
     return header, ints, floats
