@@ -300,6 +300,8 @@ class _ServerLoop:
                 out["staleness"][str(tau)] = out["staleness"].get(str(tau), 0) + n
         out["version"] = self.state.version if live is None else live["version"]
         out["clipped"] = self.ps.clipped
+        if live is not None:
+            out["rejoined"] = out["rejoined"] + self.ps.rejoined
         self.rt.store.set(f"gba/stats/{self.index}", json.dumps(out))
 
     def tick(self, ps: ParameterServer) -> None:

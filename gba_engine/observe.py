@@ -107,6 +107,8 @@ class Observer:
             "server_version": version,
             "clipped_updates": max((int(st.get("clipped", 0)) for st in server_stats), default=0),
             "lost_workers": sorted(lost),
+            # every server records each join: the longest list is the job's (a worker once per restart)
+            "rejoined_workers": max((list(st.get("rejoined", [])) for st in server_stats), key=len, default=[]),
             "samples_per_s": {int(k): float(v) for k, v in (rates or {self.rank: self.samples_per_s}).items()},
         }
         at = self.x

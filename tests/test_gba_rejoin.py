@@ -166,6 +166,7 @@ def test_restarted_worker_rejoins_and_takes_batches(job):
     assert new["rejoined"] and new["mode"] == "gba" and new["rt_incarnation"] == 1
     assert len(new["taken"]) >= 1 and all(torch.isfinite(torch.tensor(new["losses"])))
     assert server["rejoined"] == [1] and server["lost_workers"] == []  # back in the job, not counted as lost
+    assert job["w0"]["summary"]["rejoined_workers"] == [1]  # the console/wandb summary says so while the job runs
     assert server["pushes"].get("1", 0) >= len(new["taken"])  # the server counted the new process's gradients
 
 

@@ -191,6 +191,11 @@ class ParameterServer:
         return spec.initial_shard(self.index, self.num_servers)
 
     @property
+    def rejoined(self) -> list[int]:
+        """Restarted workers accepted in the current serve, in order (a worker once per join)."""
+        return list(self._rejoined)
+
+    @property
     def version(self) -> int:
         """Updates applied by this shard."""
         return self.control.version
