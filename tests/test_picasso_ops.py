@@ -147,6 +147,32 @@ def test_advise_hugepages_leaves_values_intact(cpp):
     assert torch.equal(big, torch.full_like(big, 3.0))
 
 
+def test_pooled_empty_recycles_a_block_only_after_its_storage_dies(cpp):
+    """A freed output's block comes back for the next same-size call; a live view keeps its block."""
+    rows, cols = 1024, 2048  # 8 MiB
+    ops.output_pool_stats(limit_bytes=1 << 30)
+    a = ops.pooled_empty(rows, cols)
+    assert a.shape == (rows, cols) and a.dtype == torch.float32
+    a.fill_(1.5)
+    ptr = a.data_ptr()
+    view = a[3]  # keeps the storage alive after `a` goes
+    del a
+    before = ops.output_pool_stats()
+    b = ops.pooled_empty(rows, cols)
+    assert b.data_ptr() != ptr and torch.equal(view, torch.full((cols,), 1.5))  # the live block was not reused
+    del view
+    c = ops.pooled_empty(rows, cols)
+    assert c.data_ptr() == ptr and ops.output_pool_stats()["hits"] == before["hits"] + 1
+    del b, c
+    assert ops.output_pool_stats()["cached_bytes"] >= 2 * rows * cols * 4
+    assert ops.output_pool_stats(limit_bytes=0)["cached_bytes"] == 0  # a zero cap frees every block
+    d = ops.pooled_empty(3, 5, dtype=torch.float64)  # small and other dtypes work; blocks are whole huge pages
+    assert d.shape == (3, 5) and d.dtype == torch.float64
+    del d
+    assert ops.output_pool_stats()["cached_bytes"] == 0  # over the cap: freed, not cached
+    ops.output_pool_stats(limit_bytes=1 << 30)
+
+
 def test_collection_hugepage_output_same_values(cpp):
     """A collection output above the huge-page threshold is the same with and without ``hugepage_output``."""
     from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec

@@ -655,12 +655,12 @@ class PackedEmbeddingCollection(nn.Module):
             pins the pure-torch kernels (bitwise-reproducible references).
 
     Attribute ``hugepage_output`` (default: ``custom_ops``): a ``[B, sum D]``
-    CPU output of 8 MiB or more is given transparent huge pages before it is
-    written (``ops.advise_hugepages``; needs the C++ ops loaded and THP
-    ``enabled`` = ``always`` or ``madvise``), since page-faulting a fresh
-    large output 4 KiB at a time costs more than the lookup. Set it to
-    ``False`` where huge pages are unwanted (memory is advised per output
-    tensor only).
+    CPU output of 8 MiB or more comes from ``ops.pooled_empty``: huge-page
+    blocks that return to a pool when the output dies and are handed back,
+    already faulted in, to the next step of the same shape (page-faulting a
+    fresh large output costs more than the lookup; the pool keeps at most
+    1 GiB of free blocks, ``ops.output_pool_stats``). Needs the C++ ops
+    loaded; set it to ``False`` for plain ``torch.empty`` outputs.
 
     Tables are initialised uniform in ``±sqrt(1 / num_embeddings)`` (torchrec's
     default), one table after another in spec order, so the initial weights
@@ -827,9 +827,12 @@ class PackedEmbeddingCollection(nn.Module):
         fields = self._batch_fields(batch)
         fused = self.mode == "fused" and torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if fused else None
-        values = torch.empty(batch.batch_size, self.column_offsets[-1], dtype=self._values_dtype, device=batch.values.device)
-        if self.hugepage_output and values.is_cpu and values.numel() * values.element_size() >= _HUGEPAGE_MIN_BYTES:
-            custom_ops.advise_hugepages(values)  # before the first write: see hugepage_output
+        shape, device = (batch.batch_size, self.column_offsets[-1]), batch.values.device
+        if (self.hugepage_output and device.type == "cpu"
+                and shape[0] * shape[1] * self._values_dtype.itemsize >= _HUGEPAGE_MIN_BYTES):
+            values = custom_ops.pooled_empty(*shape, dtype=self._values_dtype)  # see hugepage_output
+        else:
+            values = torch.empty(shape, dtype=self._values_dtype, device=device)
         sequences: dict[str, Tensor] = {}
         for gi, (kernel, (columns, first_field)) in enumerate(zip(self.kernels, fields)):
             plan = kernel.prepare(batch, columns, first_field)

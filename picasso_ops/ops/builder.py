@@ -65,6 +65,7 @@ SOURCES: tuple[Path, ...] = (
     _CSRC / "packed_lookup.cpp",
     _CSRC / "packed_backward_update.cpp",
     _CSRC / "hash_table.cpp",
+    _CSRC / "output_pool.cpp",
 )
 # a cold build of the three files takes 1-3 minutes on a busy 2-core box; 10 leaves a wide margin
 DEFAULT_STALE_AFTER_S = float(os.environ.get("PICASSO_OPS_STALE_LOCK_S", 600))
