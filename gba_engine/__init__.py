@@ -42,6 +42,7 @@ _EXPORTS = {
     "ServeStats": "ps",
     "init_runtime": "ps",
     "join_runtime": "ps",
+    "read_layout": "ps",
     "layout": "ps",
 }
 

@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -302,6 +303,7 @@ class _ServerLoop:
         out["clipped"] = self.ps.clipped
         if live is not None:
             out["rejoined"] = out["rejoined"] + self.ps.rejoined
+            out["lost_workers"] = sorted(set(out["lost_workers"]) | set(self.ps.lost_workers))
         self.rt.store.set(f"gba/stats/{self.index}", json.dumps(out))
 
     def tick(self, ps: ParameterServer) -> None:
@@ -589,6 +591,37 @@ class GBAEngine:
             if waiting:
                 time.sleep(_POLL_S)
         return None
+
+    def gather_live(self, name: str, obj: Any, timeout_s: float | None = None) -> dict[int, Any]:
+        """``obj`` of every live worker, by worker rank, over the control plane: no collective, so a
+        dead worker is left out and a restarted one (:func:`rejoin`) takes part.
+
+        Every live worker calls it with the same ``name`` (a new name per gather). It waits
+        while a missing worker's heartbeat moves, at most ``timeout_s`` (default: the gba
+        block's), then raises TimeoutError naming the workers that never answered. ``obj``
+        travels pickled through the store: keep it to a few MB.
+
+        Example::
+
+            parts = engine.gather_live("eval/scores", scores)        # {0: tensor, 1: tensor}
+            scores = torch.cat([parts[w] for w in sorted(parts)])
+        """
+        self._worker_only("gather_live")
+        store = self.rt.store
+        key = lambda w: f"gba/gather/{name}/{w}"  # noqa: E731
+        store.set(key(self.rt.rank), pickle.dumps(obj))
+        live = Liveness(self.rt, self.workers)
+        deadline = time.monotonic() + (self.rt.timeout_s if timeout_s is None else timeout_s)
+        waiting = set(self.workers)
+        while True:
+            waiting = {w for w in waiting if not store.check([key(w)])}
+            if waiting <= live.poll():
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rt.rank}: live workers {sorted(waiting)} did not reach gather "
+                                   f"{name!r} within {timeout_s or self.rt.timeout_s:.0f}s")
+            time.sleep(_POLL_S)
+        return {w: pickle.loads(store.get(key(w))) for w in self.workers if store.check([key(w)])}
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` ends an accumulation window (DeepSpeedEngine's contract)."""

@@ -15,7 +15,7 @@ Example::
 """
 from .client import PSClient, PSStalledError, Pulled, Token
 from .optim import LazyAdagrad, LazyAdam, LazySGD, OptimizerSpec, RowOptimizer
-from .runtime import Layout, Liveness, PSConnectionError, PSRuntime, init_runtime, join_runtime, layout
+from .runtime import Layout, Liveness, PSConnectionError, PSRuntime, init_runtime, join_runtime, layout, read_layout
 from .server import ParameterServer, ServeStats, ShardState
 from .sharding import DenseSharding, EmbeddingSpec, RowRoute
 from .wire import Header, Kind, ProtocolError
@@ -24,5 +24,5 @@ __all__ = [
     "DenseSharding", "EmbeddingSpec", "Header", "Kind", "LazyAdagrad", "LazyAdam", "LazySGD", "Layout",
     "Liveness", "OptimizerSpec", "PSClient", "PSConnectionError", "PSRuntime", "PSStalledError",
     "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ShardState", "Token",
-    "init_runtime", "join_runtime", "layout",
+    "init_runtime", "join_runtime", "layout", "read_layout",
 ]

@@ -361,6 +361,7 @@ def _publish_control_plane(store: TCPStore, host: str, port: int, lay: Layout, c
     store.set(_layout_key(), f"{lay.world_size}|{lay.num_servers}")
     if control_file:
         path = os.path.abspath(control_file)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(f"{host}:{port}\n")
@@ -376,6 +377,22 @@ def _control_address(control_plane: str | os.PathLike) -> tuple[str, int]:
         raise ValueError(f"control plane {str(control_plane)!r} is neither HOST:PORT nor a file holding it "
                          "(gba.control_file of the running job)")
     return host, int(port)
+
+
+def read_layout(control_plane: str | os.PathLike, timeout_s: float = 10.0) -> Layout:
+    """The :class:`Layout` of the running job at ``control_plane`` (``HOST:PORT`` or its control file).
+
+    Example::
+
+        read_layout("runs/x/control_plane").workers       # (0, 1, 2, 3)
+    """
+    host, port = _control_address(control_plane)
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        world, _, servers = store.get(_layout_key()).decode().partition("|")
+    except (RuntimeError, dist.DistStoreError) as exc:
+        raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
+    return layout(int(world), int(servers))
 
 
 def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLike) -> PSRuntime:

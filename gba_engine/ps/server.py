@@ -191,6 +191,11 @@ class ParameterServer:
         return spec.initial_shard(self.index, self.num_servers)
 
     @property
+    def lost_workers(self) -> list[int]:
+        """Workers presumed lost now: dead (their link broke) or silent (heartbeat stopped), and not rejoined."""
+        return sorted(w for w, p in self._peers.items() if p in (_Peer.DEAD, _Peer.SILENT))
+
+    @property
     def rejoined(self) -> list[int]:
         """Restarted workers accepted in the current serve, in order (a worker once per join)."""
         return list(self._rejoined)
@@ -339,7 +344,7 @@ class ParameterServer:
         stats = ServeStats(
             server=self.index, version=self.version, updates=self.version - start_version, tokens=self.control.stats.as_dict(),
             pushes=dict(self._pushes), drained=self._drained,
-            lost_workers=sorted(w for w, p in self._peers.items() if p in (_Peer.DEAD, _Peer.SILENT)),
+            lost_workers=self.lost_workers,
             rejoined=list(self._rejoined),
             stalls=self._stalls, seconds=time.monotonic() - t0,
         )
