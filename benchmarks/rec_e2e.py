@@ -9,11 +9,13 @@ Both variants train the same wide-and-deep model on the same synthetic stream
   config's DeepSpeed optimizer (``ds_configs/demo_cpu.json``: AdamW, ZeRO 1,
   warm-up/decay schedule, gradient clipping).
 * ``on``: the same config plus ``"picasso": {"packing": true, "embedding_dim":
-  16, "optimizer": {"type": SPARSE_OPT, "lr": SPARSE_LR}}``: packed tables, the
+  16, "optimizer": {"type": SPARSE_OPT, "lr": SPARSE_LR, "lr_schedule":
+  "constant"}}``: packed tables, the
   sparse optimizer fused into backward (by default ``adam``, FBGEMM-style lazy
   Adam, at the dense AdamW's peak lr); the dense layers keep AdamW. The packed
-  tables' lr is constant: DeepSpeed's scheduler and gradient clipping only see
-  the dense parameters.
+  tables' lr is pinned constant (the recorded runs predate
+  ``lr_schedule: "deepspeed"``, now train_rec's default); DeepSpeed's gradient
+  clipping only sees the dense parameters.
 
 ``--lr`` sets the config's AdamW lr and the schedule's peak (both variants);
 the sparse lr defaults to it. wandb is switched off in both temporary configs.
@@ -63,7 +65,9 @@ DEFAULTS = {"fields": 200, "vocab": 1000, "steps": 1500, "eval_samples": 500_000
 
 
 def picasso_block(sparse_opt: str = DEFAULTS["sparse_opt"], sparse_lr: float = DEFAULTS["lr"]) -> dict[str, Any]:
-    return {"packing": True, "embedding_dim": 16, "optimizer": {"type": sparse_opt, "lr": sparse_lr}}
+    # "constant": the recorded runs were measured before the tables could follow DeepSpeed's schedule
+    return {"packing": True, "embedding_dim": 16,
+            "optimizer": {"type": sparse_opt, "lr": sparse_lr, "lr_schedule": "constant"}}
 
 
 def write_config(path: Path, picasso: bool, micro_batch: Optional[int] = None, base: Path = BASE_CONFIG,

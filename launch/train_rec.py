@@ -30,7 +30,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dist_env import init_distributed  # noqa: E402
+from dist_env import DistContext, init_distributed  # noqa: E402
 from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from picasso_ops.data.batch import CTRBatch  # noqa: E402
 from picasso_ops.data.prefetch import Prefetcher  # noqa: E402
@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-tables", action="store_true",
                    help="with a gba block: the embedding tables live on the parameter servers (rows by id, updated "
                         "once per global batch in sync mode too) instead of in the workers' dense parameters")
+    p.add_argument("--rejoin-as", type=int, default=None, metavar="WORKER",
+                   help="with a gba block: replace worker WORKER of the running job (same --config and --out) whose "
+                        "process died; needs no launcher, finds the servers through gba.control_file "
+                        "(default OUT/gba_control_plane) and takes the job's next batch numbers")
+    p.add_argument("--crash", type=parse_crash, default=None, metavar="RANK:STEP",
+                   help="RANK exits at once (code 17, no goodbye) after its optimizer step STEP: fault-tolerance "
+                        "demos and tests (in gba mode the others go on; --rejoin-as replaces it)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p.parse_args(argv)
 
@@ -180,6 +187,25 @@ def _gather_cat(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
 
 
+CRASH_EXIT_CODE = 17
+
+
+def parse_crash(text: str) -> tuple[int, int]:
+    """``"1:3"``: rank 1 exits after its optimizer step 3.
+
+    Example::
+
+        parse_crash("1:3")      # (1, 3)
+    """
+    try:
+        rank, step = (int(x) for x in text.split(":"))
+        if rank < 0 or step < 1:
+            raise ValueError("RANK must be >= 0 and STEP >= 1")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--crash {text!r}: {exc} (expected RANK:STEP)") from None
+    return rank, step
+
+
 class RecJob:
     """Everything one rank needs to train and evaluate; built from the CLI arguments."""
 
@@ -195,8 +221,15 @@ class RecJob:
                 raise SystemExit(f"{args.config}: --eval-every with gba.mode={self.gba.mode!r}: workers run at their "
                                  "own pace in gba mode and evaluation is a collective over them; evaluate at the end "
                                  "(or score the --save-every checkpoints)")
+            if args.rejoin_as is not None and args.resume:
+                raise SystemExit("--rejoin-as continues the running job's state; it cannot --resume a checkpoint")
+            if args.rejoin_as is not None and self.gba.mode == "sync":
+                raise SystemExit(f"{args.config}: --rejoin-as needs gba.mode gba or auto: a sync job keeps DeepSpeed's "
+                                 "fixed all-reduce group, which a restarted process cannot join")
             # the last num_servers ranks are parameter servers: data is split over the workers only
             self.world_size = max(1, world_size - self.gba.num_servers)
+        elif args.rejoin_as is not None:
+            raise SystemExit(f"{args.config}: --rejoin-as needs a gba block (a restarted worker joins its servers)")
         elif args.server_tables:
             raise SystemExit(f"{args.config}: --server-tables needs a gba block (the tables live on its parameter "
                              "servers)")
@@ -267,21 +300,23 @@ class RecJob:
             logger.info("picasso interleave: training batches read %d ahead on a thread", depth)
         return Prefetcher(stream, depth, state=stream.state, name=f"train_rec-data-rank{self.rank}")
 
-    def eval_stream(self):
+    def eval_stream(self, shard: int | None = None):
+        """The held-out batches of ``shard`` (default: this rank's) of ``world_size`` shards."""
+        shard = self.rank if shard is None else shard
         if self.data_cfg is not None:
             total = math.ceil(self.args.eval_samples / self.micro_batch)
-            return SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=self.rank, world_size=self.world_size,
+            return SyntheticCTRStream(self.data_cfg, self.micro_batch, rank=shard, world_size=self.world_size,
                                       split="eval", num_batches=total)
-        return self._file_reader(self.args.eval_files, 0)
+        return self._file_reader(self.args.eval_files, 0, shard=shard)
 
-    def _file_reader(self, files: list[str], start_row: int, sharded: bool = True):
+    def _file_reader(self, files: list[str], start_row: int, sharded: bool = True, shard: int | None = None):
         if not files:
             raise SystemExit(f"--data {self.args.data} needs --train-files and --eval-files")
         from picasso_ops.data.criteo import CriteoTSVReader
         from picasso_ops.data.parquet import ParquetCTRReader
 
         cls = CriteoTSVReader if self.args.data == "criteo" else ParquetCTRReader
-        rank, world = (self.rank, self.world_size) if sharded else (0, 1)
+        rank, world = (self.rank if shard is None else shard, self.world_size) if sharded else (0, 1)
         return cls(files, self.micro_batch, vocab_sizes=self.args.vocab, rank=rank, world_size=world,
                    start_row=start_row, max_bad_fraction=self.args.max_bad_fraction)
 
@@ -309,11 +344,42 @@ def _global_batch(batch: CTRBatch | None, finite: bool, micro_batch: int, group:
     return int(have_and_size[1]) if int(have_and_size[0]) == world else 0
 
 
-def _log_cache_stats(engine) -> None:
-    """The picasso cache's hit rate and counters so far to the monitor (nothing without a cache)."""
-    events = monitor_events(engine.module, int(getattr(engine, "global_samples", 0)))
+def _monitor_write(engine, events: list) -> None:
+    # a restarted gba worker (--rejoin-as) has no DeepSpeed engine, hence no monitor
     if events and getattr(engine, "monitor", None) is not None:
         engine.monitor.write_events(events)
+
+
+def _log_cache_stats(engine) -> None:
+    """The picasso cache's hit rate and counters so far to the monitor (nothing without a cache)."""
+    _monitor_write(engine, monitor_events(engine.module, int(getattr(engine, "global_samples", 0))))
+
+
+def _gathers_live(engine) -> bool:
+    """In gba mode the end-of-job gathers go over the control plane: a dead worker is left out, a rejoined one in."""
+    return getattr(engine, "mode", None) == "gba" and hasattr(engine, "gather_live")
+
+
+LIVE_GATHER_TIMEOUT_S = 600.0  # a live worker still scoring its shards is waited for this long
+
+
+def _score(engine, stream) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    scores, labels, teacher = [], [], []
+    with torch.no_grad():
+        for batch in stream:
+            scores.append(torch.sigmoid(engine(batch.dense, batch.values, batch.lengths)).float())
+            labels.append(batch.labels)
+            if batch.teacher_prob is not None:
+                teacher.append(batch.teacher_prob)
+    return torch.cat(scores), torch.cat(labels), torch.cat(teacher) if teacher else None
+
+
+def _metrics(s: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None) -> dict[str, float]:
+    out = {"auc": auc(s, y), "log_loss": log_loss(s, y), "eval_samples": float(s.numel())}
+    if t is not None:
+        out["bayes_auc"] = auc(t, y)
+        out["bayes_log_loss"] = log_loss(t, y)
+    return out
 
 
 def evaluate(engine, job: RecJob) -> dict[str, float]:
@@ -321,22 +387,29 @@ def evaluate(engine, job: RecJob) -> dict[str, float]:
     flush_caches(engine.module)  # picasso cache: the stores hold every trained row before scoring
     _log_cache_stats(engine)
     engine.eval()
-    scores, labels, teacher = [], [], []
-    with torch.no_grad():
-        for batch in job.eval_stream():
-            scores.append(torch.sigmoid(engine(batch.dense, batch.values, batch.lengths)).float())
-            labels.append(batch.labels)
-            if batch.teacher_prob is not None:
-                teacher.append(batch.teacher_prob)
+    if _gathers_live(engine):
+        out = _evaluate_live(engine, job)
+        engine.train()
+        return out
+    s, y, t = _score(engine, job.eval_stream())
     engine.train()
     group = getattr(engine, "worker_group", None)  # gba: the parameter servers take no part
-    s, y = _gather_cat(torch.cat(scores), group), _gather_cat(torch.cat(labels), group)
-    out = {"auc": auc(s, y), "log_loss": log_loss(s, y), "eval_samples": float(s.numel())}
-    if teacher:
-        t = _gather_cat(torch.cat(teacher), group)
-        out["bayes_auc"] = auc(t, y)
-        out["bayes_log_loss"] = log_loss(t, y)
-    return out
+    return _metrics(_gather_cat(s, group), _gather_cat(y, group), None if t is None else _gather_cat(t, group))
+
+
+def _evaluate_live(engine, job: RecJob) -> dict[str, float]:
+    """gba mode: every live worker scores its shard, the first live one also the shards of dead workers."""
+    live = sorted(engine.gather_live("eval/ready", job.rank, timeout_s=LIVE_GATHER_TIMEOUT_S))
+    shards = [job.rank] + ([w for w in range(job.world_size) if w not in live] if job.rank == live[0] else [])
+    if len(shards) > 1:
+        logger.warning("evaluation: workers %s are gone; worker %d scores their shards too", shards[1:], job.rank)
+    mine = {w: _score(engine, job.eval_stream(shard=w)) for w in shards}
+    parts: dict[int, tuple] = {}
+    for got in engine.gather_live("eval/scores", mine, timeout_s=LIVE_GATHER_TIMEOUT_S).values():
+        parts.update(got)
+    order = sorted(parts)  # shard order: the same concatenation as the collective path
+    teacher = None if parts[order[0]][2] is None else torch.cat([parts[w][2] for w in order])
+    return _metrics(torch.cat([parts[w][0] for w in order]), torch.cat([parts[w][1] for w in order]), teacher)
 
 
 def _save_due(every: int, progress: Progress, stream, taken_before: int, mode_before: str | None, engine,
@@ -357,8 +430,11 @@ def _monitor_x(engine, job: RecJob, progress: Progress, claimed: bool) -> int:
     return engine.version * job.micro_batch * job.grad_accum * job.world_size
 
 
-def _job_totals(samples: int, seconds: float, group: Any) -> tuple[int, float]:
+def _job_totals(samples: int, seconds: float, group: Any, engine: Any = None) -> tuple[int, float]:
     """Samples summed over the workers and the longest training time among them."""
+    if _gathers_live(engine):
+        got = engine.gather_live("totals", (samples, seconds), timeout_s=LIVE_GATHER_TIMEOUT_S).values()
+        return sum(n for n, _ in got), max(t for _, t in got)
     t = torch.tensor([float(samples)], dtype=torch.float64)
     slowest = torch.tensor([seconds], dtype=torch.float64)
     if dist.is_initialized():
@@ -399,6 +475,24 @@ def sparse_args(block: Any) -> SparseArgs:
                       sharding=getattr(block, "sharding", "data_parallel"))
 
 
+def scheduled_sparse_lr(block: Any) -> float | None:
+    """The packed tables' peak lr for ``engine_step`` when they follow DeepSpeed's schedule, else ``None``.
+
+    ``picasso.optimizer.lr_schedule`` ``"deepspeed"``: the tables' lr at each step
+    is ``picasso.optimizer.lr`` x DeepSpeed's lr of that step / its schedule's
+    peak; ``"constant"`` (or no picasso block): ``None``, the block's lr throughout.
+
+    Example::
+
+        >>> from picasso_ops.config import PicassoConfig
+        >>> scheduled_sparse_lr(PicassoConfig.model_validate({"optimizer": {"type": "adam", "lr": 0.001}}))
+        0.001
+    """
+    if block is None or block.optimizer.lr_schedule != "deepspeed":
+        return None
+    return float(block.optimizer.lr)
+
+
 def build_model(job: RecJob) -> torch.nn.Module:
     """The CTR model for this job.
 
@@ -423,8 +517,9 @@ def build_model(job: RecJob) -> torch.nn.Module:
     args = dataclasses.replace(job.model_args, embedding_dim=block.embedding_dim)
     sparse = sparse_args(block)
     if job.rank == 0:
-        logger.info("picasso model: packing=%s dim=%d sparse optimizer %s %s, %s tables", block.packing,
-                    block.embedding_dim, sparse.optimizer, dict(sparse.optimizer_params), sparse.sharding)
+        logger.info("picasso model: packing=%s dim=%d sparse optimizer %s %s (lr schedule: %s), %s tables",
+                    block.packing, block.embedding_dim, sparse.optimizer, dict(sparse.optimizer_params),
+                    block.optimizer.lr_schedule, sparse.sharding)
     model = packed_wide_and_deep(args, sparse)
     try:
         # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
@@ -442,17 +537,38 @@ def build_engine(job: RecJob, model: torch.nn.Module):
     if job.gba is not None:
         import gba_engine
 
-        return gba_engine.initialize(model=model, config={**job.ds, "gba": job.gba.model_dump()})
+        block = job.gba.model_dump()
+        # where a restarted worker (--rejoin-as) finds the servers: beside the checkpoints unless the block says
+        block["control_file"] = block["control_file"] or str(Path(job.args.out) / "gba_control_plane")
+        if job.args.rejoin_as is not None:
+            return gba_engine.rejoin(model=model, config={**job.ds, "gba": block}, worker=job.args.rejoin_as)
+        return gba_engine.initialize(model=model, config={**job.ds, "gba": block})
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
     return engine
 
 
+def _rejoin_context(args: argparse.Namespace) -> DistContext:
+    """Where a restarted worker sits: its rank in the running job, read from the job's control plane."""
+    from gba_engine import read_layout
+
+    job = load_config(args.config)
+    gba = job.blocks.get("gba")
+    if gba is None:
+        raise SystemExit(f"{args.config}: --rejoin-as needs a gba block (a restarted worker joins its servers)")
+    control = gba.control_file or str(Path(args.out) / "gba_control_plane")
+    lay = read_layout(control, timeout_s=gba.timeout_s)
+    if args.rejoin_as not in lay.workers:
+        raise SystemExit(f"--rejoin-as {args.rejoin_as}: the job at {control} has workers {list(lay.workers)}")
+    return DistContext(rank=args.rejoin_as, world_size=lay.world_size, local_rank=0, launcher="rejoin",
+                       local_world_size=1)
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     wandb_mode = setup_wandb_env(out)
-    ctx = init_distributed()
+    ctx = _rejoin_context(args) if args.rejoin_as is not None else init_distributed()
     rank, world = ctx.rank, ctx.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size or ctx.world_size))
     torch.set_num_threads(threads)
@@ -476,6 +592,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0:
             print(f"resumed from {path} at step {progress.step} (batch {progress.micro_batches} of each rank)")
 
+    # picasso tables' peak lr when they follow DeepSpeed's scheduler (engine_step scales it each step), else None
+    sparse_lr = scheduled_sparse_lr(job.job.blocks.get("picasso"))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     bar = tqdm(total=args.steps, initial=progress.step, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=1.0)
@@ -518,13 +636,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if job.gba is not None:
                 engine.step()  # no packed tables with gba (RecJob rejects the picasso block)
             else:
-                engine_step(engine)  # engine.step() + the packed tables' sparse step at the accumulation boundary
+                engine_step(engine, sparse_lr=sparse_lr)  # engine.step() + the packed tables' step at the boundary
             progress.micro_batches += 1
             step_samples += global_batch  # claimed: this worker's samples (the job's are summed at the end)
             running += torch.tensor([loss.item(), 1.0])
         if exhausted:
             break
         progress.step += 1
+        if args.crash is not None and args.crash == (rank, progress.step) and args.rejoin_as is None:
+            os._exit(CRASH_EXIT_CODE)  # a crash: no goodbye to the servers, no cleanup
         progress.samples += step_samples
         x = _monitor_x(engine, job, progress, claimed)
         samples_this_run += step_samples
@@ -534,12 +654,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             mean_loss = (running[0] / running[1]).item()
             running.zero_()
             bar.set_postfix(loss=f"{mean_loss:.4f}")
-            engine.monitor.write_events([("train/loss", mean_loss, x),
+            _monitor_write(engine, [("train/loss", mean_loss, x),
                                          ("train/samples_per_s", progress.samples / max(train_time, 1e-9), x)])
         if args.eval_every and progress.step % args.eval_every == 0 and progress.step < args.steps:
             metrics = evaluate(engine, job)
             history.append({"step": progress.step, **metrics})
-            engine.monitor.write_events([(f"eval/{k}", v, x) for k, v in metrics.items()])
+            _monitor_write(engine, [(f"eval/{k}", v, x) for k, v in metrics.items()])
         if args.save_every and _save_due(args.save_every, progress, stream, taken_before, mode_before, engine, job):
             last_ckpt = _save(engine, ckpt_dir, progress, stream)
     bar.close()
@@ -551,13 +671,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(f"training data ran out after {progress.step} steps ({progress.samples:,} samples)")
 
     metrics = evaluate(engine, job)
-    engine.monitor.write_events([(f"eval/{k}", v, _monitor_x(engine, job, progress, claimed))
-                                 for k, v in metrics.items()])
+    _monitor_write(engine, [(f"eval/{k}", v, _monitor_x(engine, job, progress, claimed)) for k, v in metrics.items()])
     if last_ckpt is None or Path(last_ckpt).name != _tag(progress, stream):
         last_ckpt = _save(engine, ckpt_dir, progress, stream)
     samples, rate = progress.samples, samples_this_run / max(train_time, 1e-9)
     if claimed:  # workers trained different shares: the job's samples over the slowest worker's time
-        samples, slowest = _job_totals(samples_this_run, train_time, group)
+        samples, slowest = _job_totals(samples_this_run, train_time, group, engine)
         rate = samples / max(slowest, 1e-9)
     summary = {
         "world_size": world,
@@ -601,6 +720,8 @@ def _gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
         rows.append(("gba gradients", ", ".join(f"{k} {v}" for k, v in g["gradients"].items())))
     if g.get("clipped_updates"):
         rows.append(("gba updates clipped (servers)", f"{g['clipped_updates']}"))
+    if g.get("lost_workers") or g.get("rejoined_workers"):
+        rows.append(("gba workers lost / rejoined", f"{g.get('lost_workers', [])} / {g.get('rejoined_workers', [])}"))
     rows.append(("samples/s per worker", ", ".join(f"{float(v):,.0f}" for v in g["samples_per_s"].values())))
     return rows
 

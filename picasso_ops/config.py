@@ -15,10 +15,22 @@ class _Block(BaseModel):
 
 
 class SparseOptimizerConfig(_Block):
-    """The optimizer fused into the embedding backward (dense layers use DeepSpeed's)."""
+    """The optimizer fused into the embedding backward (dense layers use DeepSpeed's).
+
+    ``lr_schedule``: ``"deepspeed"`` (default) runs the tables at ``lr`` x DeepSpeed's lr of that step / its
+    schedule's peak (the config's ``scheduler`` warm-up and decay, peaking at ``lr``; no scheduler: ``lr``);
+    ``"constant"``: always ``lr``. Default "deepspeed": DeepSpeed users expect the config's scheduler to govern
+    the whole model. See ``picasso_ops.distributed.step.deepspeed_lr_factor``.
+
+    Example::
+
+        >>> SparseOptimizerConfig(type="adam", lr=0.001, lr_schedule="constant").lr_schedule
+        'constant'
+    """
 
     type: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
     lr: PositiveFloat = 0.05
+    lr_schedule: Literal["deepspeed", "constant"] = "deepspeed"
     eps: PositiveFloat = 1e-8
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.999, ge=0.0, lt=1.0)

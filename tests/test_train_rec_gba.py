@@ -121,3 +121,63 @@ def test_gba_mode_on_criteo_files_hands_out_numbered_row_ranges(tmp_path):
     # 700 rows hold 21 whole batches of 32 (rows 0-671, 6 of them bad): fewer than 100 steps x 2 workers
     assert w0["steps"] + w1["steps"] == 21 and w0["steps"] > w1["steps"]
     assert w0["samples"] == 672 - 6 and w0["eval_samples"] == 256 and 0.0 < w0["auc"] < 1.0
+
+
+def test_gba_job_goes_on_without_a_crashed_worker_and_scores_its_eval_shard(tmp_path):
+    """--crash 1:3 in gba mode: worker 0 trains every remaining batch and scores the whole held-out set."""
+    argv = [*SMALL, "--steps", "8", "--crash", "1:3", "--config", _config(tmp_path, "gba"), "--out", str(tmp_path / "c")]
+    w0, dead, server = run_distributed(_run, 3, args=(argv,), timeout_s=110, init_process_group=False,
+                                       expect_exit={1: 17})
+    assert dead is None and server == {"server": True}
+    assert w0["steps"] == 16 - 3  # the job's 8 x 2 batches less the 3 the dead worker trained
+    assert w0["eval_samples"] == 2048 and 0.0 < w0["auc"] < 1.0  # its own shard and the dead worker's
+    assert w0["gba"]["lost_workers"] == [1] and w0["gba"]["rejoined_workers"] == []
+
+
+_REJOINER = """
+import json, os, sys, threading, time
+threading.Timer(100, lambda: os._exit(3)).start()  # never outlives the test
+os.environ["WANDB_MODE"] = "offline"
+from gba_engine.ps import PSConnectionError
+from tests.test_train_rec import _train_rec
+train_rec = _train_rec()
+argv, result = json.loads(sys.argv[1]), sys.argv[2]
+deadline = time.monotonic() + 80
+while True:  # a supervisor: retry until the job is up and the old process is gone
+    try:
+        summary = train_rec.train(train_rec.parse_args(argv))
+        break
+    except (ValueError, PSConnectionError) as exc:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.3)
+keys = ("auc", "steps", "samples", "eval_samples", "gba", "local_samples")
+open(result, "w").write(json.dumps({k: summary[k] for k in keys}))
+os._exit(0)
+"""
+
+
+def test_crashed_worker_is_replaced_by_train_rec_rejoin_as(tmp_path):
+    """--crash 1:3, then `train_rec.py --rejoin-as 1` (same config and --out) takes the job's next batches."""
+    import subprocess
+    import sys
+
+    argv = [*SMALL, "--steps", "30", "--config", _config(tmp_path, "gba"), "--out", str(tmp_path / "r")]
+    log = open(tmp_path / "rejoiner.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", _REJOINER, json.dumps([*argv, "--rejoin-as", "1"]),
+                             str(tmp_path / "rejoiner.json")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # worker 0 is slowed (30x its first steps' compute) so that the job is still running when the new process is in
+        w0, dead, server = run_distributed(_run, 3, args=([*argv, "--crash", "1:3", "--straggler", "0:30"],),
+                                           timeout_s=120, init_process_group=False, expect_exit={1: 17})
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "rejoiner.log").read_text()[-4000:]
+    new = json.loads((tmp_path / "rejoiner.json").read_text())
+    assert w0["steps"] + 3 + new["steps"] == 60 and new["steps"] >= 1  # every batch of the job trained once
+    assert w0["eval_samples"] == new["eval_samples"] == 2048 and w0["auc"] == new["auc"]  # scored together
+    assert w0["samples"] == new["samples"]  # the live workers' samples, gathered over the control plane
+    assert w0["gba"]["rejoined_workers"] == [1] and w0["gba"]["lost_workers"] == []
