@@ -442,6 +442,7 @@ class GBAEngine:
         self._claims: BatchClaims | None = None
         self._closed = self.is_server
         self._worker_live = Liveness(rt, self.workers) if not self.is_server else None
+        self._first_live = Liveness(rt, self.workers[:1]) if not self.is_server else None  # auto: the coordinator
         self.rejoined = joined_phase is not None  # a restarted process (rejoin): gba only, no DeepSpeed engine
         if self.rejoined:
             self._join_phase(joined_phase)
@@ -842,6 +843,11 @@ class GBAEngine:
                 if d.switched and d.mode == "sync":  # loses to a "finished" some worker set first
                     store.compare_set(end_key, "", f"leave|{self._leave_target()}|recovered, ratios "
                                                f"{[round(r, 2) for r in d.ratios]}")
+        elif self.rt.rank != self.workers[0] and not self._pinned and self._first_live.poll():
+            # the first worker alone asks for sync: without it the job stays in gba, where a restarted one may join
+            self._pinned = True
+            store.set(joinable_key(), str(self._phase))
+            logger.warning("gba: the first worker %d is gone; auto mode stays in gba", self.workers[0])
         if store.check([end_key]):
             kind, _, rest = store.get(end_key).decode().partition("|")
             target, _, reason = rest.partition("|")

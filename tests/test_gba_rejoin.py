@@ -1,12 +1,13 @@
 """A worker whose process died rejoins a running job (2 workers + 1 server, gloo on 127.0.0.1).
 
-Two launches: mode ``gba``, and mode ``auto``, where worker 1 straggles so that the job moves
-to gba, and its death pins the job there. Worker 1 trains a few numbered batches, then dies
-(``os._exit``). A fresh interpreter that the
+Three launches: mode ``gba`` where worker 1 dies; mode ``auto``, where worker 1 straggles so that
+the job moves to gba and then worker 1 dies (the first worker pins the job to gba); and ``auto``
+where worker 0, the coordinator of auto mode, dies (the other pins it). The dead worker trains a
+few numbered batches in gba, then dies (``os._exit``). A fresh interpreter that the
 test starts beforehand (standing in for a supervisor that restarts crashed processes) waits for
-the death, checks two bad rejoins (a server's rank, a live worker), then replaces worker 1 with
+the death, checks two bad rejoins (a server's rank, a live worker), then replaces the dead one with
 ``gba_engine.rejoin``: it continues the job's batch numbers and pushes under token control, with
-rows of a server table and the dense layers. Worker 0 waits (bounded) until the new process has
+rows of a server table and the dense layers. The survivor waits (bounded) until the new process has
 trained once, so the rejoin happens before the data runs out whatever the machine's load.
 """
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _wait_file(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def _launch(rank: int, world_size: int, tmp: str, mode: str) -> dict:
+def _launch(rank: int, world_size: int, tmp: str, mode: str, dead: int) -> dict:
     import gba_engine
     from gba_engine.ps.runtime import joinable_key
 
@@ -97,10 +98,10 @@ def _launch(rank: int, world_size: int, tmp: str, mode: str) -> dict:
             time.sleep(0.3)  # a straggler: auto mode moves the job to gba
         losses.append(_step(engine, index))
         taken.append(index)
-        if rank == 1 and modes.count("gba") == DIE_AFTER:
+        if rank == dead and modes.count("gba") == DIE_AFTER:
             Path(tmp, "dead.json").write_text(json.dumps({"taken": taken, "version": engine.version}))
             os._exit(17)  # a crash: no goodbye, its gloo pairs close, its heartbeat stops
-        if rank == 0:
+        if rank != dead:
             time.sleep(0.1)
             # once the job takes restarted workers (auto: after this worker saw the death), wait until one trained
             if len(taken) >= 8 and not waited and engine.rt.store.check([joinable_key()]):
@@ -111,20 +112,20 @@ def _launch(rank: int, world_size: int, tmp: str, mode: str) -> dict:
     return out
 
 
-def _rejoiner_main(tmp: str, mode: str) -> None:
-    """The replacement process of worker 1 (run by the test in a fresh interpreter)."""
+def _rejoiner_main(tmp: str, mode: str, dead: int) -> None:
+    """The replacement process of worker ``dead`` (run by the test in a fresh interpreter)."""
     threading.Timer(90, lambda: os._exit(3)).start()  # a hard deadline of its own: never outlives the test
     import gba_engine
 
     _wait_file(os.path.join(tmp, "dead.json"), 80)
     out: dict = {"errors": {}}
-    for worker in (2, 0):  # a server's rank; worker 0, which is alive
+    for worker in (2, 1 - dead):  # a server's rank; the other worker, which is alive
         try:
             gba_engine.rejoin(model=Net(), config=_config(tmp, mode), worker=worker)
         except ValueError as exc:
             out["errors"][worker] = str(exc)
     t0 = time.monotonic()
-    engine = gba_engine.rejoin(model=Net(), config=_config(tmp, mode), worker=1)
+    engine = gba_engine.rejoin(model=Net(), config=_config(tmp, mode), worker=dead)
     out["join_s"] = time.monotonic() - t0
     out["rejoined"], out["mode"], out["rt_incarnation"] = engine.rejoined, engine.mode, engine.rt.incarnation
     taken, losses, tokens = [], [], []
@@ -140,16 +141,16 @@ def _rejoiner_main(tmp: str, mode: str) -> None:
     os._exit(0)  # the watchdog timer thread must not keep the process alive
 
 
-@pytest.fixture(scope="module", params=["gba", "auto"])
+@pytest.fixture(scope="module", params=[("gba", 1), ("auto", 1), ("auto", 0)], ids=["gba", "auto", "auto-first"])
 def job(request, tmp_path_factory):
-    mode = request.param
-    tmp = str(tmp_path_factory.mktemp(f"gba_rejoin_{mode}"))
+    mode, dead = request.param
+    tmp = str(tmp_path_factory.mktemp(f"gba_rejoin_{mode}_{dead}"))
     log = open(os.path.join(tmp, "rejoiner.log"), "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", f"import tests.test_gba_rejoin as t; t._rejoiner_main({tmp!r}, {mode!r})"],
+    proc = subprocess.Popen([sys.executable, "-c", f"import tests.test_gba_rejoin as t; t._rejoiner_main({tmp!r}, {mode!r}, {dead})"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        res = run_distributed(_launch, world_size=3, args=(tmp, mode), timeout_s=150, expect_exit={1: 17})
+        res = run_distributed(_launch, world_size=3, args=(tmp, mode, dead), timeout_s=150, expect_exit={dead: 17})
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -157,7 +158,8 @@ def job(request, tmp_path_factory):
         log.close()
     text = Path(tmp, "rejoiner.log").read_text()
     assert proc.returncode == 0, f"the rejoining process failed (exit {proc.returncode}):\n{text[-4000:]}"
-    return {"mode": mode, "w0": res[0], "server": res[2]["server"], "dead": json.loads(Path(tmp, "dead.json").read_text()),
+    return {"mode": mode, "dead_rank": dead, "w0": res[1 - dead], "server": res[2]["server"],
+            "dead": json.loads(Path(tmp, "dead.json").read_text()),
             "new": torch.load(os.path.join(tmp, "rejoiner.pt"), weights_only=False)}
 
 
@@ -165,9 +167,10 @@ def test_restarted_worker_rejoins_and_takes_batches(job):
     new, server = job["new"], job["server"]
     assert new["rejoined"] and new["mode"] == "gba" and new["rt_incarnation"] == 1
     assert len(new["taken"]) >= 1 and all(torch.isfinite(torch.tensor(new["losses"])))
-    assert server["rejoined"] == [1] and server["lost_workers"] == []  # back in the job, not counted as lost
-    assert job["w0"]["summary"]["rejoined_workers"] == [1]  # the console/wandb summary says so while the job runs
-    assert server["pushes"].get("1", 0) >= len(new["taken"])  # the server counted the new process's gradients
+    dead = job["dead_rank"]
+    assert server["rejoined"] == [dead] and server["lost_workers"] == []  # back in the job, not counted as lost
+    assert job["w0"]["summary"]["rejoined_workers"] == [dead]  # the console/wandb summary says so while the job runs
+    assert server["pushes"].get(str(dead), 0) >= len(new["taken"])  # the server counted the new process's gradients
 
 
 def test_auto_mode_moved_to_gba_before_the_death(job):
@@ -198,7 +201,8 @@ def test_all_workers_end_on_the_same_parameters(job):
 def test_bad_rejoins_fail_with_clear_errors(job):
     errors = job["new"]["errors"]
     assert "rank 2 is not a worker" in errors[2] and "only a worker can rejoin" in errors[2]
-    assert "worker 0" in errors[0] and "is alive" in errors[0]
+    alive = 1 - job["dead_rank"]
+    assert f"worker {alive}" in errors[alive] and "is alive" in errors[alive]
 
 
 def test_rejoin_refuses_sync_mode_and_a_missing_control_plane():
