@@ -30,13 +30,13 @@ def _run(rank: int, world_size: int, argv: list) -> dict:
     return {k: summary[k] for k in ("auc", "steps", "samples", "eval_samples", "gba", "world_size", "local_samples")}
 
 
-def _config(tmp_path: Path, mode: str) -> str:
+def _config(tmp_path: Path, mode: str, timeout_s: float = 20) -> str:
     cfg = json.loads((ROOT / "ds_configs" / "gba_cpu.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 32
     cfg["wandb"] = {"enabled": False}
     # gba: fully asynchronous (fast workers run ahead); auto: lockstep, so its switches are exact
     # heartbeat 0.5 s (lease 2.5 s): a loaded 2-core box can starve a heartbeat thread for over a second
-    cfg["gba"].update(mode=mode, timeout_s=20, heartbeat_s=0.5, max_lead=None if mode == "gba" else 0,
+    cfg["gba"].update(mode=mode, timeout_s=timeout_s, heartbeat_s=0.5, max_lead=None if mode == "gba" else 0,
                       switch={"slow_ratio": 1.5, "recover_ratio": 1.2, "window": 2, "min_dwell_steps": 2})
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{mode}.json"
@@ -125,7 +125,9 @@ def test_gba_mode_on_criteo_files_hands_out_numbered_row_ranges(tmp_path):
 
 def test_gba_job_goes_on_without_a_crashed_worker_and_scores_its_eval_shard(tmp_path):
     """--crash 1:3 in gba mode: worker 0 trains every remaining batch and scores the whole held-out set."""
-    argv = [*SMALL, "--steps", "8", "--crash", "1:3", "--config", _config(tmp_path, "gba"), "--out", str(tmp_path / "c")]
+    # timeout 8 s: the servers give a silent worker timeout_s to come back before they end the job
+    argv = [*SMALL, "--steps", "8", "--crash", "1:3", "--config", _config(tmp_path, "gba", timeout_s=8),
+            "--out", str(tmp_path / "c")]
     w0, dead, server = run_distributed(_run, 3, args=(argv,), timeout_s=110, init_process_group=False,
                                        expect_exit={1: 17})
     assert dead is None and server == {"server": True}
@@ -162,13 +164,14 @@ def test_crashed_worker_is_replaced_by_train_rec_rejoin_as(tmp_path):
     import subprocess
     import sys
 
-    argv = [*SMALL, "--steps", "30", "--config", _config(tmp_path, "gba"), "--out", str(tmp_path / "r")]
+    argv = [*SMALL, "--steps", "40", "--config", _config(tmp_path, "gba"), "--out", str(tmp_path / "r")]
     log = open(tmp_path / "rejoiner.log", "w")
     proc = subprocess.Popen([sys.executable, "-c", _REJOINER, json.dumps([*argv, "--rejoin-as", "1"]),
                              str(tmp_path / "rejoiner.json")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        # worker 0 is slowed (30x its first steps' compute) so that the job is still running when the new process is in
-        w0, dead, server = run_distributed(_run, 3, args=([*argv, "--crash", "1:3", "--straggler", "0:30"],),
+        # worker 0 is slowed (100x its first steps' compute) so that the job still runs when the new process is in;
+        # once in, the new process (not slowed) takes most of the remaining batches
+        w0, dead, server = run_distributed(_run, 3, args=([*argv, "--crash", "1:3", "--straggler", "0:100"],),
                                            timeout_s=120, init_process_group=False, expect_exit={1: 17})
         proc.wait(timeout=30)
     finally:
@@ -177,7 +180,7 @@ def test_crashed_worker_is_replaced_by_train_rec_rejoin_as(tmp_path):
         log.close()
     assert proc.returncode == 0, (tmp_path / "rejoiner.log").read_text()[-4000:]
     new = json.loads((tmp_path / "rejoiner.json").read_text())
-    assert w0["steps"] + 3 + new["steps"] == 60 and new["steps"] >= 1  # every batch of the job trained once
+    assert w0["steps"] + 3 + new["steps"] == 80 and new["steps"] >= 1  # every batch of the job trained once
     assert w0["eval_samples"] == new["eval_samples"] == 2048 and w0["auc"] == new["auc"]  # scored together
     assert w0["samples"] == new["samples"]  # the live workers' samples, gathered over the control plane
     assert w0["gba"]["rejoined_workers"] == [1] and w0["gba"]["lost_workers"] == []
