@@ -40,8 +40,8 @@ from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
 from picasso_ops.distributed import engine_step  # noqa: E402
 from picasso_ops.embedding.sparse_optim import OPTIMIZERS  # noqa: E402
 from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep  # noqa: E402
-from picasso_ops.block import (PicassoBlockError, apply_picasso_block, flush_caches, monitor_events,  # noqa: E402
-                                picasso_summary)
+from picasso_ops.block import (PicassoBlockError, apply_picasso_block, cached_field_embeddings,  # noqa: E402
+                                flush_caches, monitor_events, picasso_summary)
 from sparse_scale.config import load_config  # noqa: E402
 
 logger = logging.getLogger("train_rec")
@@ -520,10 +520,14 @@ def build_model(job: RecJob) -> torch.nn.Module:
         logger.info("picasso model: packing=%s dim=%d sparse optimizer %s %s (lr schedule: %s), %s tables",
                     block.packing, block.embedding_dim, sparse.optimizer, dict(sparse.optimizer_params),
                     block.optimizer.lr_schedule, sparse.sharding)
-    model = packed_wide_and_deep(args, sparse)
     try:
         # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
-        return apply_picasso_block(model, block, workdir=Path(job.args.out), rank=job.rank)
+        workdir = Path(job.args.out)
+        factory = None
+        if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
+            factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
+        model = packed_wide_and_deep(args, sparse, field_embeddings=factory)
+        return apply_picasso_block(model, block, workdir=workdir, rank=job.rank)
     except PicassoBlockError as exc:
         raise SystemExit(f"{job.args.config}: {exc}") from None
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -50,8 +50,8 @@ from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollectio
 from picasso_ops.interleave.forward import InterleavedForward
 from picasso_ops.models.wide_deep import PackedFieldEmbeddings
 
-__all__ = ["PicassoBlockError", "apply_picasso_block", "cached_modules", "flush_caches", "picasso_summary",
-           "monitor_events"]
+__all__ = ["PicassoBlockError", "apply_picasso_block", "cached_field_embeddings", "cached_modules", "flush_caches",
+           "picasso_summary", "monitor_events"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +110,43 @@ def _store_factory(cache: CacheConfig, name: str, workdir: Optional[Path], rank:
     return make
 
 
+_STORE_NAMES = {"emb": "embeddings"}  # packed_wide_and_deep's table prefixes -> its module (and store file) names
+
+
+def cached_field_embeddings(block: PicassoConfig, *, workdir: Optional[Path] = None, rank: int = 0
+                            ) -> Callable[..., CachedFieldEmbeddings]:
+    """A ``field_embeddings`` factory for ``packed_wide_and_deep`` that builds each module straight into the
+    block's cache store (``CachedFieldEmbeddings.from_init``): the tables are never all in memory at once.
+
+    Gives the same model, bit for bit, as building the packed tables and :func:`apply_picasso_block`.
+
+    Example::
+
+        >>> block = PicassoConfig(cache={"rows": 1000})
+        >>> model = packed_wide_and_deep(WideAndDeepArgs([500] * 4, 3), SparseArgs(),
+        ...                              field_embeddings=cached_field_embeddings(block))  # doctest: +SKIP
+    """
+    cache = block.cache
+    if cache is None:
+        raise PicassoBlockError("cached_field_embeddings needs a picasso.cache block")
+
+    def make(vocab_sizes, dim, pooling, sparse, init_std, prefix) -> CachedFieldEmbeddings:
+        name = _STORE_NAMES.get(prefix, prefix)
+        check_cache_config(cache, {name: sum(int(v) for v in vocab_sizes)}, sharding=block.sharding)
+        return CachedFieldEmbeddings.from_init(
+            vocab_sizes, dim, pooling, sparse, init_std, prefix, capacity=cache.rows, policy=cache.policy,
+            prefetch=cache.prefetch, store_factory=_store_factory(cache, name, workdir, rank),
+            capacity_key="picasso.cache.rows")
+
+    return make
+
+
 def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Optional[Path] = None,
                         rank: int = 0) -> nn.Module:
     """``model`` with the block's cache (in place) and interleaving (a wrapper when ``micro_batches > 1``).
 
-    ``model`` is a packed model (``packed_wide_and_deep`` / ``packed_dlrm``) built from the same block.
+    ``model`` is a packed model (``packed_wide_and_deep`` / ``packed_dlrm``) built from the same block;
+    modules already built into the cache (:func:`cached_field_embeddings`) are kept as they are.
 
     Example::
 
@@ -127,9 +159,10 @@ def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Opti
     if block.cache is not None:
         cache = block.cache
         children = _packed_children(model)
-        if not children:
+        built = {name: sum(m.vocab_sizes) for name, m in cached_modules(model)}  # cached_field_embeddings did it
+        if not children and not built:
             raise PicassoBlockError(f"picasso.cache: {type(model).__name__} has no packed field embeddings to cache")
-        rows = {name: sum(s.num_embeddings for s in m.collection.specs) for name, m in children}
+        rows = {**built, **{name: sum(s.num_embeddings for s in m.collection.specs) for name, m in children}}
         check_cache_config(cache, rows, sharding=block.sharding)
         for name, packed in children:
             if not isinstance(packed.collection, DataParallelEmbeddingCollection):

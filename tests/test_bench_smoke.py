@@ -64,3 +64,11 @@ def test_rec_e2e_rows_are_well_formed(tmp_path):
     assert "picasso" in (tmp_path / "on.json").read_text() and "picasso" not in (tmp_path / "off.json").read_text()
     table = e2e.format_table(rows)
     assert "| off | 1 | 2 |" in table and "| on | 1 | 2 |" in table and "on/off samples/s" in table
+
+
+def test_cache_build_memory_bench_reports_both_builds(tmp_path):
+    bench = _load("cache_build_memory")
+    for variant in ("converted", "straight"):
+        row = bench._build(variant, fields=3, vocab=200, dim=4, cache_rows=50, workdir=str(tmp_path / variant))
+        assert row["variant"] == variant and row["seconds"] >= 0
+        assert row["peak_anon_mb"] >= row["before_build_mb"] > 0

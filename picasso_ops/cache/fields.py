@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -203,6 +204,80 @@ class CachedFieldEmbeddings(nn.Module):
                   process_group=coll.process_group, capacity_key=capacity_key)
         out.cache.optimizer_steps = max(int(coll.table_state(s.name).get("step", torch.tensor(0))) for s in specs)
         return out
+
+    @classmethod
+    @torch.no_grad()
+    def from_init(
+        cls,
+        vocab_sizes: Sequence[int],
+        dim: int,
+        pooling: str,
+        sparse: Any,
+        init_std: Optional[float],
+        prefix: str,
+        *,
+        capacity: int,
+        policy: CachePolicy = "lfu",
+        prefetch: bool = True,
+        store_factory: Optional[StoreFactory] = None,
+        capacity_key: str = "capacity",
+        chunk_rows: int = 1 << 16,
+    ) -> "CachedFieldEmbeddings":
+        """What ``from_packed(PackedFieldEmbeddings(vocab_sizes, dim, pooling, sparse, init_std, prefix))`` gives,
+        bit for bit, without ever holding all the tables: rows go to the store as they are initialised.
+
+        Tables larger than RAM together then fit: the peak is one table (its normal
+        init, ``init_std > 0``) or ``chunk_rows`` rows. The global RNG is consumed
+        exactly as the packed collection and ``PackedFieldEmbeddings`` consume it
+        (uniform per table in spec order, in chunks: the CPU uniform kernel draws
+        element by element; then normal per table), so the model's later layers
+        initialise the same too. Rank 0's values are broadcast, as the packed
+        path does. ``sparse`` is a ``SparseArgs`` with data-parallel sharding.
+
+        Example::
+
+            >>> emb = CachedFieldEmbeddings.from_init([1000] * 4, 8, "mean", SparseArgs(), 0.01, "emb",
+            ...                                       capacity=500)  # doctest: +SKIP
+        """
+        from picasso_ops.distributed.comm import broadcast_tensor
+
+        if getattr(sparse, "sharding", "data_parallel") != "data_parallel":
+            raise ValueError(f"the cache serves data-parallel tables, got sharding {sparse.sharding!r}")
+        sizes = [int(v) for v in vocab_sizes]
+        total = sum(sizes)
+        if capacity > total:
+            raise ValueError(f"{capacity_key} = {capacity} is larger than the {total} rows of the {len(sizes)} tables "
+                             "it caches (their vocab sizes summed): a cache that size would hold the whole table")
+        opt, params = sparse.optimizer, dict(sparse.optimizer_params)
+        state_dims = cls.state_dims(opt, dim)
+        store = (store_factory or (lambda n, d, sd: HostRowStore(n, d, sd)))(total, dim, state_dims)
+        group = getattr(sparse, "process_group", None)
+
+        def put(start: int, rows: Tensor) -> None:
+            broadcast_tensor(rows, 0, group)  # ranks' RNG streams may differ: rank 0's init wins
+            n = rows.shape[0]
+            store.put_rows(torch.arange(start, start + n), rows,
+                           {k: torch.zeros(n, w) for k, w in state_dims.items()})
+
+        starts = [0]
+        for v in sizes:
+            starts.append(starts[-1] + v)
+        for start, n in zip(starts, sizes):  # the packed collection's reset_parameters
+            bound = math.sqrt(1.0 / n)
+            for a in range(0, n, chunk_rows):
+                rows = torch.empty(min(chunk_rows, n - a), dim).uniform_(-bound, bound)
+                if init_std is None:
+                    put(start + a, rows)
+        if init_std is not None:  # PackedFieldEmbeddings._init: zeros, or normal over each whole table
+            for start, n in zip(starts, sizes):
+                for a in range(0, n, chunk_rows if init_std == 0.0 else n):
+                    if init_std == 0.0:
+                        put(start + a, torch.zeros(min(chunk_rows, n - a), dim))
+                    else:  # whole table: the CPU normal kernel fills 16 values at a time, chunks would shift it
+                        put(start, torch.empty(n, dim).normal_(std=init_std))
+        return cls([f"{prefix}{i}" for i in range(len(sizes))], sizes, dim, pooling, store, capacity=capacity,
+                   optimizer=opt, optimizer_params=params, policy=policy, prefetch=prefetch, process_group=group,
+                   capacity_key=capacity_key)
 
     # ------------------------------------------------------------ lookups
     def _global_ids(self, values: Tensor, lengths: Tensor) -> Tensor:

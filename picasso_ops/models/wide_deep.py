@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import torch
 from torch import nn
@@ -192,11 +192,15 @@ class PackedFieldEmbeddings(nn.Module):
         return out.view(out.shape[0], len(self.keys), self.dim)
 
 
-def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs) -> WideAndDeep:
+def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs,
+                         field_embeddings: Optional[Callable[..., nn.Module]] = None) -> WideAndDeep:
     """:class:`WideAndDeep` whose deep and wide embeddings are packed collections.
 
     Deep tables start like the plain model's (normal, std 0.01) and wide ones at
     zero; both collections use ``sparse``'s optimizer and sharding.
+    ``field_embeddings(vocab_sizes, dim, pooling, sparse, init_std, prefix)``
+    builds each of the two (default :class:`PackedFieldEmbeddings`; the picasso
+    block passes one that builds straight into a hot-row cache's store).
 
     Example::
 
@@ -204,6 +208,7 @@ def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs) -> WideAndDe
         >>> sum(p.numel() for p in model.parameters()) > 0  # only the dense layers are parameters
         True
     """
-    embeddings = PackedFieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
-    wide = PackedFieldEmbeddings(args.vocab_sizes, 1, args.pooling, sparse, 0.0, "wide")
+    make = field_embeddings or PackedFieldEmbeddings
+    embeddings = make(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
+    wide = make(args.vocab_sizes, 1, args.pooling, sparse, 0.0, "wide")
     return WideAndDeep(args, embeddings=embeddings, wide=wide)
