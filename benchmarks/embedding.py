@@ -62,6 +62,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -424,19 +425,28 @@ def format_table(results: list[dict[str, Any]], clock: str = "cpu") -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str, body: str) -> None:
-    """Replace (or append) the ``section`` heading's block in ``path``, keeping every other section."""
+def write_section(path: Path, section: str, body: str, title: Optional[str] = None) -> None:
+    """Add a run to the ``section`` heading's block in ``path``: a ``### title`` subsection right under the
+    heading (newest first), keeping the earlier runs and every other section; the section is created if missing."""
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{section}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    title = title or f"{datetime.now():%Y-%m-%d %H:%M}, benchmarks/embedding.py"
+    run = f"### {title}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^{re.escape(section)}\n\n?", re.M)
     if pattern.search(text):
-        text = pattern.sub(lambda _: block + "\n", text, count=1)
+        text = pattern.sub(lambda _: f"{section}\n\n{run}\n", text, count=1)
     else:
-        text = text.rstrip("\n") + "\n\n" + block
+        text = text.rstrip("\n") + f"\n\n{section}\n\n{run}"
     path.write_text(text.rstrip("\n") + "\n")
 
 
-def results_body(results: list[dict[str, Any]], total_s: Optional[float] = None) -> str:
+def _load_average() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def results_body(results: list[dict[str, Any]], total_s: Optional[float] = None, load: str = "not recorded") -> str:
     r0 = results[0]
     agreement = []
     for r in results:
@@ -449,14 +459,14 @@ def results_body(results: list[dict[str, Any]], total_s: Optional[float] = None)
         commands.setdefault(r.get("command", "?"), []).append(f"F={r['F']} D={r['D']} ({r['reps']} reps)")
     cmd_lines = "\n".join(f"- `{c}`: {', '.join(v)}" for c, v in commands.items())
     timing = f"; last run {total_s / 60:.1f} min" if total_s is not None else ""
-    return f"""Commands ({platform.machine()}, {_versions()}, {r0['threads']} thread, shared 2-core machine with
-other jobs running, load average 7-14{timing}):
+    return f"""Commands ({platform.machine()}, {_versions()}, {r0['threads']} thread; 1-min load average at the start
+and end of the run {load}{timing}):
 
 {cmd_lines}
 
 Setup: B={r0['B']}, pooling length 1 + Poisson(2) (about 3 ids per bag, sum pooling), Zipf(1.1) ids per
 field, fp32. Rows per table: see the rows/table column (10,000 at F=26 and F=200; fewer at F=1000 to bound
-memory on this shared 23 GB machine, where other jobs were being OOM-killed). Optimizer for every
+memory). Optimizer for every
 method: exact row-wise Adagrad (lr {LR}, eps {EPS}): fused into backward for FBGEMM
 (`EXACT_ROWWISE_ADAGRAD`) and ours; for per-field and torchrec EBC, `sparse=True` gradients and a
 row-wise Adagrad written with index ops (coalesce, index_select/index_copy_/index_add_ per table).
@@ -467,8 +477,7 @@ Medians of the interleaved rounds (method order rotated each round) after {r0['w
 two alternating batches. Largest |diff| to per-field over all grid points, from identical weights: forward
 output and tables after one step, {max(agreement) if agreement else float('nan'):.1e}.
 Paths measured: "ours" = `PackedEmbeddingCollection(specs)` as constructed by default: {'; '.join(paths)}.
-"ours+C++ ops" (if present) = the same with `custom_ops=True` (the C++ kernels in `picasso_ops/ops/`,
-uncommitted work in progress at the time of the run).
+"ours+C++ ops" (with `--custom-ops`) = the same with `custom_ops=True` (the C++ kernels in `picasso_ops/ops/`).
 
 **Thread CPU time (`time.thread_time()`), ms, median** (the less noisy clock on this shared machine):
 
@@ -555,7 +564,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     methods = _available(list(METHODS[:4]) + (["ours_cpp"] if args.custom_ops else []))
     print(f"methods: {methods}; ours path: {ours_path()}", flush=True)
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), _load_average()
     cmd = ".venv/bin/python benchmarks/embedding.py " + " ".join(argv if argv is not None else sys.argv[1:])
     earlier: list[dict[str, Any]] = []
     if args.append and Path(args.json).exists():
@@ -581,7 +590,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("\nthread CPU time, ms:\n" + format_table(results, "cpu"))
     print("\nwall time, ms:\n" + format_table(results, "wall"))
     if not args.no_results:
-        write_section(RESULTS, SECTION, results_body(results, total))
+        write_section(RESULTS, SECTION, results_body(results, total, load=f"{load0} and {_load_average()}"))
         print(f"wrote {RESULTS}")
 
 

@@ -44,10 +44,13 @@ def test_embedding_rows_cap_and_results_section(tmp_path):
     assert emb.rows_for(1000, 10_000, 2_500_000) == 2_500
     path = tmp_path / "RESULTS.md"
     path.write_text("# Benchmark results\n\n## Other\n\nkeep me\n")
-    emb.write_section(path, emb.SECTION, "first")
-    emb.write_section(path, emb.SECTION, "second")
+    emb.write_section(path, emb.SECTION, "first", title="run 1")
+    emb.write_section(path, emb.SECTION, "second", title="run 2")
     text = path.read_text()
-    assert "keep me" in text and "second" in text and "first" not in text and text.count(emb.SECTION) == 1
+    # every run is kept, newest first, under one section heading; other sections are untouched
+    assert "keep me" in text and text.count(emb.SECTION) == 1
+    assert text.index(emb.SECTION) < text.index("### run 2") < text.index("second") < text.index("### run 1")
+    assert text.index("### run 1") < text.index("first")
 
 
 @pytest.mark.slow
