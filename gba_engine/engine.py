@@ -585,7 +585,7 @@ class GBAEngine:
                 self._leave_gba(reason=end.split("|", 2)[2])
                 return self._next_claim()
         store.set(_out_key(phase, self.rt.rank), "1")
-        live = Liveness(self.rt, self.workers)
+        live = self._worker_live  # one tracker per engine: a worker found lost once costs no new lease
         waiting = set(self.workers)
         while waiting:  # a dead worker is dropped by its missing heartbeat, so this cannot hang
             waiting = {w for w in waiting - live.poll() if not store.check([_out_key(phase, w)])}
@@ -611,7 +611,7 @@ class GBAEngine:
         store = self.rt.store
         key = lambda w: f"gba/gather/{name}/{w}"  # noqa: E731
         store.set(key(self.rt.rank), pickle.dumps(obj))
-        live = Liveness(self.rt, self.workers)
+        live = self._worker_live  # one tracker per engine: a worker found lost once costs no new lease
         deadline = time.monotonic() + (self.rt.timeout_s if timeout_s is None else timeout_s)
         waiting = set(self.workers)
         while True:

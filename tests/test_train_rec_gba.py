@@ -125,8 +125,8 @@ def test_gba_mode_on_criteo_files_hands_out_numbered_row_ranges(tmp_path):
 
 def test_gba_job_goes_on_without_a_crashed_worker_and_scores_its_eval_shard(tmp_path):
     """--crash 1:3 in gba mode: worker 0 trains every remaining batch and scores the whole held-out set."""
-    # timeout 8 s: the servers give a silent worker timeout_s to come back before they end the job
-    argv = [*SMALL, "--steps", "8", "--crash", "1:3", "--config", _config(tmp_path, "gba", timeout_s=8),
+    # timeout 5 s: the servers give a silent worker timeout_s to come back before they end the job
+    argv = [*SMALL, "--steps", "8", "--crash", "1:3", "--config", _config(tmp_path, "gba", timeout_s=5),
             "--out", str(tmp_path / "c")]
     w0, dead, server = run_distributed(_run, 3, args=(argv,), timeout_s=110, init_process_group=False,
                                        expect_exit={1: 17})

@@ -580,6 +580,8 @@ class ParameterServer:
         self._rejoined.append(worker)
         logger.warning("PS %d: worker %d rejoined as incarnation %d at version %d (link built in %.2fs)", self.index,
                        worker, incarnation, self.version, time.monotonic() - t0)
+        if self._on_tick is not None:
+            self._on_tick(self)  # the owner publishes the rejoin now, not at the next heartbeat tick
 
     def _mark_dead(self, worker: int, exc: BaseException) -> None:
         logger.warning("PS %d: worker %d is gone (%s); continuing with the others at version %d",
