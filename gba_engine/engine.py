@@ -258,10 +258,10 @@ def rejoin(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any]
                          "control_plane='HOST:PORT'")
     spec = _check(ds, gba, None, source)  # config mistakes before anything is asked of the servers
     tables, collections = server_tables(model)
-    rt = join_runtime(gba, worker, control)
-    if rt.layout.num_servers != gba.num_servers:
-        rt.close()
-        raise ValueError(f"{source}: gba.num_servers={gba.num_servers}, the running job has {rt.layout.num_servers}")
+    try:
+        rt = join_runtime(gba, worker, control)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
     phase = int(rt.store.get(joinable_key()))
     engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model,
                        micro=int(ds.get("train_micro_batch_size_per_gpu", 1)),

@@ -541,9 +541,7 @@ def build_engine(job: RecJob, model: torch.nn.Module):
     if job.gba is not None:
         import gba_engine
 
-        block = job.gba.model_dump()
-        # where a restarted worker (--rejoin-as) finds the servers: beside the checkpoints unless the block says
-        block["control_file"] = block["control_file"] or str(Path(job.args.out) / "gba_control_plane")
+        block = {**job.gba.model_dump(), "control_file": _control_file(job.gba, job.args.out)}
         if job.args.rejoin_as is not None:
             return gba_engine.rejoin(model=model, config={**job.ds, "gba": block}, worker=job.args.rejoin_as)
         return gba_engine.initialize(model=model, config={**job.ds, "gba": block})
@@ -551,6 +549,11 @@ def build_engine(job: RecJob, model: torch.nn.Module):
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
     return engine
+
+
+def _control_file(gba: Any, out: str) -> str:
+    """Where the servers' address is written for a restarted worker: beside the checkpoints unless the block says."""
+    return gba.control_file or str(Path(out) / "gba_control_plane")
 
 
 def _rejoin_context(args: argparse.Namespace) -> DistContext:
@@ -561,7 +564,7 @@ def _rejoin_context(args: argparse.Namespace) -> DistContext:
     gba = job.blocks.get("gba")
     if gba is None:
         raise SystemExit(f"{args.config}: --rejoin-as needs a gba block (a restarted worker joins its servers)")
-    control = gba.control_file or str(Path(args.out) / "gba_control_plane")
+    control = _control_file(gba, args.out)
     lay = read_layout(control, timeout_s=gba.timeout_s)
     if args.rejoin_as not in lay.workers:
         raise SystemExit(f"--rejoin-as {args.rejoin_as}: the job at {control} has workers {list(lay.workers)}")

@@ -46,6 +46,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Iterable, NamedTuple
 
 import torch.distributed as dist
@@ -368,15 +369,21 @@ def _publish_control_plane(store: TCPStore, host: str, port: int, lay: Layout, c
         os.replace(tmp, path)  # a restart script never reads half an address
 
 
-def _control_address(control_plane: str | os.PathLike) -> tuple[str, int]:
+def _connect(control_plane: str | os.PathLike, timeout_s: float) -> tuple[TCPStore, str, int, Layout]:
+    """A client of the running job's control plane (``HOST:PORT`` or its control file), and the job's layout."""
     text = str(control_plane)
     if os.path.exists(text):
-        text = open(text).read().strip()
+        text = Path(text).read_text().strip()
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"control plane {str(control_plane)!r} is neither HOST:PORT nor a file holding it "
                          "(gba.control_file of the running job)")
-    return host, int(port)
+    try:
+        store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        world, _, servers = store.get(_layout_key()).decode().partition("|")
+    except (RuntimeError, dist.DistStoreError) as exc:
+        raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
+    return store, host, int(port), layout(int(world), int(servers))
 
 
 def read_layout(control_plane: str | os.PathLike, timeout_s: float = 10.0) -> Layout:
@@ -386,20 +393,15 @@ def read_layout(control_plane: str | os.PathLike, timeout_s: float = 10.0) -> La
 
         read_layout("runs/x/control_plane").workers       # (0, 1, 2, 3)
     """
-    host, port = _control_address(control_plane)
-    try:
-        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        world, _, servers = store.get(_layout_key()).decode().partition("|")
-    except (RuntimeError, dist.DistStoreError) as exc:
-        raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
-    return layout(int(world), int(servers))
+    return _connect(control_plane, timeout_s)[3]
 
 
 def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLike) -> PSRuntime:
     """Connect a restarted worker process to a running job as ``worker`` (no torch.distributed needed).
 
     ``control_plane`` is ``HOST:PORT`` or the job's ``gba.control_file``. Checks, each a
-    clear error: the address answers, ``worker`` is a worker of the job, the job is in a gba
+    clear error: the address answers, ``worker`` is a worker of the job, the job has
+    ``config.num_servers`` servers, the job is in a gba
     phase it will not leave (:func:`joinable_key`; sync mode keeps DeepSpeed's static group)
     and the old process of ``worker`` is gone (its heartbeat has not moved for the lease).
     Then it rings a ``join`` doorbell at every server and builds a pair group with each.
@@ -409,17 +411,14 @@ def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLik
         rt = join_runtime(GBAConfig(mode="gba", timeout_s=30), worker=1, control_plane="runs/x/control_plane")
         client = PSClient(rt, dense_numel=n, embedding_specs=specs)
     """
-    host, port = _control_address(control_plane)
+    store, host, port, lay = _connect(control_plane, config.timeout_s)
     timeout = datetime.timedelta(seconds=config.timeout_s)
-    try:
-        store = TCPStore(host, port, is_master=False, timeout=timeout)
-        world, _, servers = store.get(_layout_key()).decode().partition("|")
-    except (RuntimeError, dist.DistStoreError) as exc:
-        raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
-    lay = layout(int(world), int(servers))
     if worker not in lay.workers:
         raise ValueError(f"rank {worker} is not a worker of the running job (workers {list(lay.workers)}, "
                          f"servers {list(lay.servers)}): only a worker can rejoin")
+    if lay.num_servers != config.num_servers:
+        raise ValueError(f"gba.num_servers={config.num_servers}, but the running job at {host}:{port} has "
+                         f"{lay.num_servers}: rejoin with the job's config")
     deadline = time.monotonic() + config.timeout_s
     while not store.check([joinable_key()]):
         if time.monotonic() > deadline:

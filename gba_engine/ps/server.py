@@ -17,7 +17,8 @@ No barrier among workers: whoever pushes next is served next, so a fast worker m
 more pushes than a slow one. A worker that dies (its gloo pair closes) or stops
 heartbeating is dropped; its in-flight token is simply never seen and the others fill
 M. A restarted process of that worker rings a ``join`` doorbell: the server builds a pair
-group with it (``PSRuntime.accept_join``) and serves it from then on like any worker. After ``until_version`` the server answers pulls with the final parameters and a
+group with it (``PSRuntime.accept_join``) and serves it from then on like any worker.
+After ``until_version`` the server answers pulls with the final parameters and a
 finished flag and drains pushes until every worker has said goodbye or is gone.
 
 Example::

@@ -187,11 +187,8 @@ class CachedFieldEmbeddings(nn.Module):
                              f"{len(optimizers)} optimizer settings, pooling {sorted(pooling)}")
         dim, (opt, params), pool = dims.pop(), optimizers.pop(), pooling.pop()
         state_dims = cls.state_dims(opt, dim)
-        total = sum(s.num_embeddings for s in specs)
-        if capacity > total:
-            raise ValueError(f"{capacity_key} = {capacity} is larger than the {total} rows of the {len(specs)} tables "
-                             "it caches (their vocab sizes summed): a cache that size would hold the whole table")
-        store = (store_factory or (lambda n, d, sd: HostRowStore(n, d, sd)))(total, dim, state_dims)
+        store = cls._empty_store([s.num_embeddings for s in specs], dim, state_dims, capacity, capacity_key,
+                                 store_factory)
         start = 0
         for spec in specs:
             n = spec.num_embeddings
@@ -204,6 +201,15 @@ class CachedFieldEmbeddings(nn.Module):
                   process_group=coll.process_group, capacity_key=capacity_key)
         out.cache.optimizer_steps = max(int(coll.table_state(s.name).get("step", torch.tensor(0))) for s in specs)
         return out
+
+    @staticmethod
+    def _empty_store(sizes: Sequence[int], dim: int, state_dims: Mapping[str, int], capacity: int, capacity_key: str,
+                     store_factory: Optional[StoreFactory]) -> RowStore:
+        total = sum(sizes)
+        if capacity > total:
+            raise ValueError(f"{capacity_key} = {capacity} is larger than the {total} rows of the {len(sizes)} tables "
+                             "it caches (their vocab sizes summed): a cache that size would hold the whole table")
+        return (store_factory or (lambda n, d, sd: HostRowStore(n, d, sd)))(total, dim, state_dims)
 
     @classmethod
     @torch.no_grad()
@@ -244,13 +250,9 @@ class CachedFieldEmbeddings(nn.Module):
         if getattr(sparse, "sharding", "data_parallel") != "data_parallel":
             raise ValueError(f"the cache serves data-parallel tables, got sharding {sparse.sharding!r}")
         sizes = [int(v) for v in vocab_sizes]
-        total = sum(sizes)
-        if capacity > total:
-            raise ValueError(f"{capacity_key} = {capacity} is larger than the {total} rows of the {len(sizes)} tables "
-                             "it caches (their vocab sizes summed): a cache that size would hold the whole table")
         opt, params = sparse.optimizer, dict(sparse.optimizer_params)
         state_dims = cls.state_dims(opt, dim)
-        store = (store_factory or (lambda n, d, sd: HostRowStore(n, d, sd)))(total, dim, state_dims)
+        store = cls._empty_store(sizes, dim, state_dims, capacity, capacity_key, store_factory)
         group = getattr(sparse, "process_group", None)
 
         def put(start: int, rows: Tensor) -> None:
