@@ -1,6 +1,7 @@
 """Interleaving (issue 4 item 6): D-interleaved steps equal plain steps, traces, failures, K-interleaving on gloo."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -14,6 +15,7 @@ from picasso_ops.distributed import DataParallelEmbeddingCollection, RowShardedE
 from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec
 from picasso_ops.interleave import (
     BatchPrefetcher,
+    InterleavedForward,
     InterleavedTrainer,
     KInterleavedRowShardedCollection,
     PipelineTimeout,
@@ -23,6 +25,7 @@ from picasso_ops.interleave import (
     WideAndDeepStages,
     interleaved_sparse_step,
 )
+from picasso_ops.interleave.streams import CudaStageStreams, StageStreams, stage_streams, tensors_in
 from picasso_ops.jagged import JaggedBatch
 from picasso_ops.models import DLRMArgs, SparseArgs, WideAndDeepArgs, packed_dlrm, packed_wide_and_deep
 from sparse_scale.multiproc import run_distributed
@@ -312,3 +315,81 @@ def _trainer_row_sharded(rank: int, world: int) -> float:
 
 def test_interleaved_trainer_over_row_sharded_tables_on_two_gloo_ranks():
     assert max(run_distributed(_trainer_row_sharded, 2, timeout_s=120)) < 1e-6
+
+
+class RecordingStreams(StageStreams):
+    """Stage streams that record every hook call: tokens name the stage (or caller) whose stream made them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def token(self):
+        with self._lock:
+            self._count += 1
+            tok = (getattr(self._local, "stage", "caller"), self._count)
+            self.calls.append(("token", tok))
+        return tok
+
+    @contextlib.contextmanager
+    def run(self, stage):
+        self._local.stage = stage
+        try:
+            yield
+        finally:
+            self._local.stage = None
+
+    def accept(self, stage, token, payload):
+        with self._lock:
+            self.calls.append(("accept", stage, token, len(list(tensors_in(payload)))))
+
+    def wait(self, token, payload):
+        with self._lock:
+            self.calls.append(("wait", token))
+
+
+def test_pipeline_orders_every_hand_off_through_the_stage_streams():
+    """Stage k waits for the mark its producer made on its own stream; the caller waits for the last stage's."""
+    streams = RecordingStreams()
+    stages = [(name, lambda i, x: (x, torch.ones(2))) for name in ("a", "b", "c")]
+    with ThreadPipeline(stages, streams=streams, timeout_s=20) as p:
+        out = p.map([torch.zeros(1)] * 4)
+    assert len(out) == 4
+    made = {s: {tok for kind, tok in (c[:2] for c in streams.calls) if kind == "token" and tok[0] == s}
+            for s in ("caller", 0, 1, 2)}
+    assert len(made["caller"]) == 1 and all(len(made[k]) == 4 for k in (0, 1, 2))  # one mark per item per stage
+    accepted = {k: [c[2] for c in streams.calls if c[0] == "accept" and c[1] == k] for k in (0, 1, 2)}
+    assert accepted[0] == [next(iter(made["caller"]))] * 4  # the batch: the caller's queued work first
+    assert set(accepted[1]) == made[0] and set(accepted[2]) == made[1]
+    assert {c[1] for c in streams.calls if c[0] == "wait"} == made[2]
+    # the payload's tensors are marked for the consumer: stage 1 gets (input, ones) from stage 0
+    assert all(c[3] == 2 for c in streams.calls if c[0] == "accept" and c[1] == 1)
+
+
+def test_stage_streams_are_none_on_cpu_and_walk_batches():
+    assert type(stage_streams(torch.device("cpu"), 3)) is StageStreams
+    batch = next(iter(SyntheticCTRStream(CFG, 8)))
+    assert {id(t) for t in tensors_in([batch, {"x": (batch.dense,)}])} >= {id(batch.dense), id(batch.values),
+                                                                          id(batch.lengths), id(batch.labels)}
+    with pytest.raises(ValueError, match="at least one stage"):
+        CudaStageStreams(torch.device("cuda"), 0)
+
+
+def test_interleaved_forward_sparse_jobs_hand_their_stream_marks_to_the_step():
+    model = _model("sgd")
+    streams = RecordingStreams()
+    inter = InterleavedForward(model, 3, timeout_s=30)
+    batch = next(iter(SyntheticCTRStream(CFG, 30)))
+    inter(batch.dense, batch.values, batch.lengths)  # builds the pipeline (and its no-op CPU streams)
+    inter.wait_sparse_backward()
+    inter._streams = inter._pipeline.streams = streams
+    loss = F.binary_cross_entropy_with_logits(inter(batch.dense, batch.values, batch.lengths), batch.labels.float())
+    loss.backward()
+    sparse_step(inter)  # waits for the sparse thread through the streams
+    sparse_marks = {tok for kind, tok in (c[:2] for c in streams.calls) if kind == "token" and tok[0] == 2}
+    assert len(sparse_marks) == 3 * 2  # deep and wide embeddings of 3 micro-batches
+    assert {c[1] for c in streams.calls if c[0] == "wait" and c[1][0] == 2} == sparse_marks
+    assert all(c[3] == 2 for c in streams.calls if c[0] == "accept" and c[1] == 2)  # (embedded, grad)
+    inter.close()

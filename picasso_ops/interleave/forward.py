@@ -24,6 +24,9 @@ step
     waits for the sparse thread (:meth:`wait_sparse_backward`), then the tables
     take their one optimizer step as without interleaving.
 
+On CUDA tensors the lookup, dense and sparse threads each issue their kernels
+on a stream of their own, ordered by events (:mod:`picasso_ops.interleave.streams`).
+
 Result: the same step as ``K = 1`` up to float rounding, not bitwise: the
 dense weight gradients are sums of ``K`` partial matmuls instead of one, and
 each row's sparse gradient is a sum of ``K`` partial sums. Evaluation (no
@@ -52,6 +55,7 @@ from torch import Tensor, nn
 
 from picasso_ops.data.batch import CTRBatch
 from picasso_ops.interleave.pipeline import PipelineTimeout, StagedModel, StageError, ThreadPipeline, stages_for
+from picasso_ops.interleave.streams import StageStreams, stage_streams
 from picasso_ops.interleave.trace import Timeline
 from picasso_ops.vocab.dynamic_table import with_sparse_update
 
@@ -97,6 +101,7 @@ class InterleavedForward(nn.Module):
         self._prefetchers = [m for m in model.modules() if callable(getattr(m, "prefetch_ids", None))]
         self._parts: list[CTRBatch] = []
         self._pipeline: Optional[ThreadPipeline] = None
+        self._streams: StageStreams = StageStreams()  # lookup, dense, sparse; CUDA streams once a CUDA batch comes
         self._sparse_pool: Optional[ThreadPoolExecutor] = None
         self._sparse_jobs: list[tuple[int, int, Future]] = []  # (step, micro-batch, job) not yet waited for
         self._lock = threading.Lock()
@@ -117,8 +122,9 @@ class InterleavedForward(nn.Module):
         whole = CTRBatch(dense, values, lengths, torch.zeros(batch_size, dtype=dense.dtype))
         self._parts = whole.split(k)
         if self._pipeline is None or self._pipeline.closed:
+            self._streams = stage_streams(dense.device, 3)
             self._pipeline = ThreadPipeline([("lookup", self._lookup), ("dense", self._dense)], depth=2,
-                                            timeout_s=self.timeout_s, timeline=self.timeline)
+                                            timeout_s=self.timeout_s, timeline=self.timeline, streams=self._streams)
         try:
             logits = self._pipeline.map(list(range(k)), step=self._step)
         finally:
@@ -146,17 +152,22 @@ class InterleavedForward(nn.Module):
         """The hand-off node's backward: queue ``embedded``'s backward with this gradient on the sparse thread."""
 
         def submit(grad: Tensor) -> None:
+            ready = self._streams.token()  # autograd runs this on the stream that produced grad
             with self._lock:
                 if self._sparse_pool is None:
                     self._sparse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interleave-sparse")
-                job = self._sparse_pool.submit(self._sparse_backward, embedded, grad, step, index)
+                job = self._sparse_pool.submit(self._sparse_backward, embedded, grad, ready, step, index)
                 self._sparse_jobs.append((step, index, job))
 
         return submit
 
-    def _sparse_backward(self, embedded: Tensor, grad: Tensor, step: int, index: int) -> None:
-        with self.timeline.span("sparse", index, step):
-            torch.autograd.backward([embedded], [grad])
+    def _sparse_backward(self, embedded: Tensor, grad: Tensor, ready: Any, step: int, index: int) -> Any:
+        """The embedding backward on the sparse stream; returns its stream mark for :meth:`wait_sparse_backward`."""
+        self._streams.accept(2, ready, (embedded, grad))
+        with self._streams.run(2):
+            with self.timeline.span("sparse", index, step):
+                torch.autograd.backward([embedded], [grad])
+            return self._streams.token()
 
     def wait_sparse_backward(self) -> None:
         """Wait until every queued embedding backward has run; re-raises a failure as :class:`StageError`.
@@ -173,7 +184,7 @@ class InterleavedForward(nn.Module):
         error: Optional[StageError] = None
         for step, index, job in jobs:
             try:
-                job.result(timeout=max(0.0, deadline - time.monotonic()))
+                self._streams.wait(job.result(timeout=max(0.0, deadline - time.monotonic())), None)
             except TimeoutError:
                 raise PipelineTimeout(f"the sparse backward of micro-batch {index} of step {step} did not finish "
                                       f"within {self.timeout_s:.0f}s") from None

@@ -24,9 +24,10 @@ torch ops release the GIL, so stages overlap as far as the cores allow; on a
 2-core machine expect little (measure with ``benchmarks/interleave.py``).
 Every queue wait polls a stop flag and a deadline, so a failing or stuck
 stage ends the step with :class:`StageError` or :class:`PipelineTimeout`
-naming the stage, never a hang. CUDA streams are not implemented here (no GPU
-to test on): on CUDA tensors the same threads run, ordered by the default
-stream.
+naming the stage, never a hang. On CUDA tensors each stage thread issues its
+kernels on a stream of its own, hand-offs ordered by events
+(:mod:`picasso_ops.interleave.streams`), so micro-batches' kernels can overlap
+on the device too.
 
 Example::
 
@@ -53,6 +54,7 @@ from picasso_ops.data.batch import CTRBatch
 from picasso_ops.data.prefetch import Prefetcher, PrefetchTimeout
 from picasso_ops.distributed.step import sparse_modules, sparse_step
 from picasso_ops.embedding.packed import PackedEmbeddingCollection
+from picasso_ops.interleave.streams import StageStreams, stage_streams
 from picasso_ops.interleave.trace import Timeline
 from picasso_ops.models.dlrm import DLRM
 from picasso_ops.models.wide_deep import WideAndDeep
@@ -92,6 +94,7 @@ class _Item:
     step: int
     index: int
     payload: Any
+    token: Any = None  # the producer's stream mark (a CUDA event), None on CPU
 
 
 class ThreadPipeline:
@@ -104,6 +107,9 @@ class ThreadPipeline:
         timeout_s: deadline of one :meth:`map` call.
         timeline: where spans are recorded (one per stage and item).
         poll_s: how often blocked waits re-check the stop flag and the deadline.
+        streams: the stages' device streams (index = stage position); default
+            none (CPU). :func:`~picasso_ops.interleave.streams.stage_streams`
+            gives one CUDA stream per stage on a CUDA device.
 
     A stage that raises stops every thread; :meth:`map` raises :class:`StageError`
     with the stage's name and the pipeline is closed (build a new one to go on).
@@ -123,6 +129,7 @@ class ThreadPipeline:
         timeout_s: float = 300.0,
         timeline: Optional[Timeline] = None,
         poll_s: float = 0.05,
+        streams: Optional[StageStreams] = None,
     ) -> None:
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
@@ -132,6 +139,7 @@ class ThreadPipeline:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.timeline = timeline or Timeline(enabled=False)
+        self.streams = streams or StageStreams()
         self._stop = threading.Event()
         self._error: Optional[StageError] = None
         self._reported = False  # the first map after a failure raises the StageError itself
@@ -185,8 +193,11 @@ class ThreadPipeline:
                 continue
             self._busy[name] = (item.step, item.index)
             try:
-                with self.timeline.span(name, item.index, item.step):
-                    out = fn(item.index, item.payload)
+                self.streams.accept(k, item.token, item.payload)
+                with self.streams.run(k):
+                    with self.timeline.span(name, item.index, item.step):
+                        out = fn(item.index, item.payload)
+                    token = self.streams.token()  # on this stage's stream: the next stage waits for it
             except BaseException as exc:  # noqa: BLE001 - handed to the caller with the stage name
                 error = StageError(name, item.index, item.step, exc)
                 error.__cause__ = exc
@@ -196,7 +207,7 @@ class ThreadPipeline:
                 self._busy[name] = None
             try:
                 # a stage downstream that stopped leaves nothing to wait for: the caller sees the error
-                self._put(outbox, _Item(item.step, item.index, out), time.monotonic() + self.timeout_s)
+                self._put(outbox, _Item(item.step, item.index, out, token), time.monotonic() + self.timeout_s)
             except PipelineTimeout as exc:
                 self._fail(StageError(name, item.index, item.step, exc))
                 return
@@ -220,9 +231,10 @@ class ThreadPipeline:
         deadline = time.monotonic() + self.timeout_s
         results: dict[int, Any] = {}
         first, last = self._queues[0], self._queues[-1]
+        ready = self.streams.token()  # the caller's queued work (the batch, the last update) before stage 0
         try:
             for i, payload in enumerate(items):
-                if not self._put(first, _Item(step, i, payload), deadline):
+                if not self._put(first, _Item(step, i, payload, ready), deadline):
                     self._raise_if_failed()
             while len(results) < len(items):
                 try:
@@ -235,6 +247,7 @@ class ThreadPipeline:
                             f"stages busy with (step, micro-batch) {self._busy}"
                         ) from None
                     continue
+                self.streams.wait(out.token, out.payload)
                 results[out.index] = out.payload
         except PipelineTimeout:
             self.close(timeout_s=self._close_s)
@@ -403,6 +416,15 @@ def stages_for(model: nn.Module) -> StagedModel:
     raise TypeError(f"no stage adapter for {type(model).__name__}; pass stages= (a StagedModel)")
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` runs: the device of its first parameter or buffer (CPU when it has none)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
 def _bce(logits: Tensor, labels: Tensor) -> Tensor:
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
@@ -470,10 +492,9 @@ class InterleavedTrainer:
         self._batch: Optional[CTRBatch] = None
         self._parts: list[CTRBatch] = []
         self._step = 0
-        self.pipeline = ThreadPipeline(
-            [("split", self._split), ("lookup", self._lookup), ("dense", self._dense), ("sparse", self._sparse_bwd)],
-            depth=depth, timeout_s=timeout_s, timeline=self.timeline,
-        )
+        stages = [("split", self._split), ("lookup", self._lookup), ("dense", self._dense), ("sparse", self._sparse_bwd)]
+        self.pipeline = ThreadPipeline(stages, depth=depth, timeout_s=timeout_s, timeline=self.timeline,
+                                       streams=stage_streams(_device_of(model), len(stages)))
 
     def __enter__(self) -> "InterleavedTrainer":
         return self
@@ -494,16 +515,16 @@ class InterleavedTrainer:
         mb, weight = item
         return mb, weight, self.stages.lookup(mb)
 
-    def _dense(self, i: int, item: tuple[CTRBatch, float, list[Tensor]]) -> tuple[list[Tensor], list[Tensor], float]:
+    def _dense(self, i: int, item: tuple[CTRBatch, float, list[Tensor]]) -> tuple[list[Tensor], list[Tensor], Tensor]:
         mb, weight, embedded = item
         # cut the graph: the dense backward stops here; the sparse stage continues from these gradients
         leaves = [e.detach().requires_grad_(e.requires_grad) for e in embedded]
         loss = self.loss_fn(self.stages.dense(mb, leaves), mb.labels) * weight
         loss.backward()
         grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-        return embedded, grads, float(loss.detach())
+        return embedded, grads, loss.detach()  # a tensor: float() here would wait for this stage's stream
 
-    def _sparse_bwd(self, i: int, item: tuple[list[Tensor], list[Tensor], float]) -> float:
+    def _sparse_bwd(self, i: int, item: tuple[list[Tensor], list[Tensor], Tensor]) -> Tensor:
         embedded, grads, loss = item
         pairs = [(e, g) for e, g in zip(embedded, grads) if e.requires_grad]
         if pairs:
@@ -528,7 +549,7 @@ class InterleavedTrainer:
                 m.step()
         self._step += 1
         self._batch, self._parts = None, []
-        return float(sum(losses))
+        return float(torch.stack(losses).sum())
 
     def _discard(self) -> None:
         """Drop the failed step's gradients so a later step starts clean."""
