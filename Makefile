@@ -9,7 +9,7 @@ export MASTER_ADDR ?= 127.0.0.1
 export GLOO_SOCKET_IFNAME ?= lo
 export WANDB_MODE ?= offline
 
-.PHONY: demo test test-fast bench gpu-check venv sysdeps clean
+.PHONY: demo test test-fast bench gpu-check gpu-wheels venv sysdeps clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,6 +50,10 @@ bench: $(STAMP) $(BENCH_STAMP)
 
 gpu-check: $(STAMP)
 	timeout 480 $(PY) -m pytest -q -m gpu tests
+
+# Wheels for tests/infra/gpu_check.sh on a GPU machine without .venv or network (see that script).
+gpu-wheels:
+	bash tests/infra/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs wandb checkpoints
