@@ -18,7 +18,16 @@ Both variants train the same wide-and-deep model on the same synthetic stream
   clipping only sees the dense parameters.
 
 ``--lr`` sets the config's AdamW lr and the schedule's peak (both variants);
-the sparse lr defaults to it. wandb is switched off in both temporary configs.
+the sparse lr defaults to it.
+
+``--optimizer sgd`` is the same-arithmetic comparison: both variants run plain
+SGD (DeepSpeed's ``SGD`` on the dense layers, and off's tables; picasso's
+fused ``sgd`` on on's tables, following DeepSpeed's schedule), no gradient
+clipping, and start from the same weights (the child builds off's model from
+the same RNG state and copies it into the packed tables). Dense SGD without
+momentum or weight decay leaves untouched rows alone, so on and off compute
+the same updates and may differ by float rounding only: their AUCs must agree
+within noise, which isolates packing/fusion from the choice of optimizer. wandb is switched off in both temporary configs.
 ``samples_per_s`` and ``auc`` come from each run's ``summary.json``
 (samples/s counts the training loop only, synthetic batch generation
 included; AUC is exact over the held-out set). Each run's wall time, the CPU
@@ -60,23 +69,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SECTION = "## train_rec picasso on/off (issue 4 item 9)"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 BASE_CONFIG = ROOT / "ds_configs" / "demo_cpu.json"
+SAME_MATH_SECTION = "## train_rec picasso on/off with the same optimizer (issue 4 item 9)"
 DEFAULTS = {"fields": 200, "vocab": 1000, "steps": 1500, "eval_samples": 500_000, "lr": 0.0003,
-            "sparse_opt": "adam"}
+            "sparse_opt": "adam", "optimizer": "adamw"}
 
 
-def picasso_block(sparse_opt: str = DEFAULTS["sparse_opt"], sparse_lr: float = DEFAULTS["lr"]) -> dict[str, Any]:
-    # "constant": the recorded runs were measured before the tables could follow DeepSpeed's schedule
+def picasso_block(sparse_opt: str = DEFAULTS["sparse_opt"], sparse_lr: float = DEFAULTS["lr"],
+                  lr_schedule: str = "constant") -> dict[str, Any]:
+    # "constant" for adamw: the recorded runs were measured before the tables could follow DeepSpeed's schedule
     return {"packing": True, "embedding_dim": 16,
-            "optimizer": {"type": sparse_opt, "lr": sparse_lr, "lr_schedule": "constant"}}
+            "optimizer": {"type": sparse_opt, "lr": sparse_lr, "lr_schedule": lr_schedule}}
 
 
-def write_config(path: Path, picasso: bool, micro_batch: Optional[int] = None, base: Path = BASE_CONFIG,
-                 lr: Optional[float] = None, sparse_opt: str = DEFAULTS["sparse_opt"],
-                 sparse_lr: Optional[float] = None) -> Path:
-    """A copy of ``base`` with wandb off, optionally a micro-batch size and an lr, and the picasso block when ``picasso``.
+def same_math_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with plain SGD at its lr instead of AdamW and no gradient clipping (``--optimizer sgd``)."""
+    lr = float(cfg["optimizer"]["params"]["lr"])
+    return {**cfg, "optimizer": {"type": "SGD", "params": {"lr": lr}}, "gradient_clipping": 0.0,
+            "zero_allow_untested_optimizer": True}  # ZeRO 1 wraps torch's SGD as it does AdamW
+
+
+def job_config(picasso: bool, micro_batch: Optional[int] = None, base: Path = BASE_CONFIG,
+               lr: Optional[float] = None, sparse_opt: str = DEFAULTS["sparse_opt"],
+               sparse_lr: Optional[float] = None, optimizer: str = DEFAULTS["optimizer"]) -> dict[str, Any]:
+    """``base`` with wandb off, optionally a micro-batch size and an lr, and the picasso block when ``picasso``.
 
     ``lr`` replaces the AdamW lr and the scheduler's peak (``warmup_max_lr``);
     ``sparse_lr`` (default: the resulting AdamW lr) is the picasso tables' lr.
+    ``optimizer="sgd"``: plain SGD on both sides, no clipping, tables on DeepSpeed's schedule.
     """
     cfg = json.loads(base.read_text())
     cfg["wandb"] = {"enabled": False}
@@ -86,11 +105,19 @@ def write_config(path: Path, picasso: bool, micro_batch: Optional[int] = None, b
         cfg["optimizer"]["params"]["lr"] = lr
         if "warmup_max_lr" in cfg.get("scheduler", {}).get("params", {}):
             cfg["scheduler"]["params"]["warmup_max_lr"] = lr
+    if optimizer == "sgd":
+        cfg, sparse_opt = same_math_config(cfg), "sgd"
     if picasso:
         dense_lr = float(cfg["optimizer"]["params"]["lr"])
-        cfg["picasso"] = picasso_block(sparse_opt, dense_lr if sparse_lr is None else sparse_lr)
+        schedule = "deepspeed" if optimizer == "sgd" else "constant"
+        cfg["picasso"] = picasso_block(sparse_opt, dense_lr if sparse_lr is None else sparse_lr, schedule)
+    return cfg
+
+
+def write_config(path: Path, picasso: bool, micro_batch: Optional[int] = None, **kwargs: Any) -> Path:
+    """:func:`job_config` written to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cfg, indent=2))
+    path.write_text(json.dumps(job_config(picasso, micro_batch, **kwargs), indent=2))
     return path
 
 
@@ -107,7 +134,25 @@ def train_command(config: Path, out: Path, fields: int, vocab: int, steps: int, 
 _OVERHEAD = ("init_distributed", "build_model", "build_engine", "evaluate", "_save", "finish_wandb")
 
 
-def child(out_json: str, train_argv: list[str]) -> None:
+def copy_into_packed(plain: Any, packed: Any) -> None:
+    """Copy a plain wide-and-deep's weights into a packed one: tables field by field, dense layers by name.
+
+    Example::
+
+        >>> copy_into_packed(WideAndDeep(args), packed_wide_and_deep(args, SparseArgs(optimizer="sgd")))  # doctest: +SKIP
+    """
+    import torch
+
+    with torch.no_grad():
+        for part, prefix in (("embeddings", "emb"), ("wide", "wide")):
+            collection = getattr(packed, part).collection
+            for i, bag in enumerate(getattr(plain, part).bags):
+                collection.table_weight(f"{prefix}{i}").copy_(bag.weight)
+        for name in ("wide_dense", "mlp"):
+            getattr(packed, name).load_state_dict(getattr(plain, name).state_dict())
+
+
+def child(out_json: str, train_argv: list[str], same_init: bool = False) -> None:
     """Run ``train_rec.train`` in this process, recording the training loop's thread CPU time and the eval scores.
 
     train_rec's own ``samples_per_s`` (wall clock) is left untouched. The
@@ -117,7 +162,7 @@ def child(out_json: str, train_argv: list[str]) -> None:
     evaluation, checkpointing and wandb shutdown, each wrapped here. The
     final evaluation's scores, labels and teacher probabilities (the
     arguments of train_rec's two ``auc`` calls) go to ``OUT_JSON`` with
-    ``.npz`` for the standard errors.
+    ``.npz`` for the standard errors. ``same_init``: see ``--optimizer sgd``.
     """
     import importlib.util
 
@@ -147,6 +192,22 @@ def child(out_json: str, train_argv: list[str]) -> None:
         auc_calls.append((scores.detach().float().cpu().numpy(), labels.detach().cpu().numpy()))
         return auc_fn(scores, labels)
 
+    if same_init:  # the packed model starts from the weights the plain one gets from the same RNG state
+        import torch
+
+        build = tr.build_model
+
+        def build_same_init(job):
+            before = torch.get_rng_state()
+            model = build(job)
+            if job.job.blocks.get("picasso") is not None:
+                after = torch.get_rng_state()
+                torch.set_rng_state(before)
+                copy_into_packed(tr.WideAndDeep(job.model_args), model)
+                torch.set_rng_state(after)
+            return model
+
+        tr.build_model = build_same_init
     auc_fn = tr.auc
     tr.auc = recording_auc
     for name in _OVERHEAD:
@@ -251,17 +312,18 @@ def run_variant(name: str, picasso: bool, workdir: Path, *, fields: int = DEFAUL
                 eval_samples: int = DEFAULTS["eval_samples"], micro_batch: Optional[int] = None,
                 threads: int = 1, seed: int = 1234, timeout_s: float = 3600, lr: Optional[float] = None,
                 sparse_opt: str = DEFAULTS["sparse_opt"], sparse_lr: Optional[float] = None,
-                extra: Sequence[str] = ()) -> dict[str, Any]:
+                optimizer: str = DEFAULTS["optimizer"], extra: Sequence[str] = ()) -> dict[str, Any]:
     """Train one variant in a fresh process; its summary plus wall and process CPU time, load and AUC SE."""
     import numpy as np
 
     config = write_config(workdir / f"{name}.json", picasso, micro_batch, lr=lr, sparse_opt=sparse_opt,
-                          sparse_lr=sparse_lr)
+                          sparse_lr=sparse_lr, optimizer=optimizer)
     cfg = json.loads(config.read_text())
     out = workdir / name
     cmd = train_command(config, out, fields, vocab, steps, eval_samples, threads, seed, extra)
     cpu_json = workdir / f"{name}_cpu.json"
-    child_cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(cpu_json), "--", *cmd[2:]]
+    child_cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(cpu_json),
+                 *(["--same-init"] if optimizer == "sgd" else []), "--", *cmd[2:]]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -286,6 +348,7 @@ def run_variant(name: str, picasso: bool, workdir: Path, *, fields: int = DEFAUL
         "seed": seed,
         "fields": fields,
         "vocab": vocab,
+        "dense_optimizer": cfg["optimizer"]["type"],
         "dense_lr": float(cfg["optimizer"]["params"]["lr"]),
         "sparse_optimizer": cfg.get("picasso", {}).get("optimizer"),
         "steps": summary["steps"],
@@ -342,6 +405,13 @@ def _f(v: Optional[float], fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _diff(v: Optional[float], sign: str = "+") -> str:
+    """An AUC difference or SE: 4 decimals, or 2 significant digits when it is below 1e-4 (same-arithmetic runs)."""
+    if v is None:
+        return "-"
+    return format(v, f"{sign}.4f") if v == 0 or abs(v) >= 1e-4 else format(v, f"{sign}.1e")
+
+
 def format_table(rows: list[dict[str, Any]], pairs: Optional[list[dict[str, Any]]] = None) -> str:
     """Markdown: one line per variant (medians over runs), one per run, one per seed pair, then the verdict."""
     head = ["picasso", "runs", "steps", "samples/s (wall, median)", "samples/s (each run)",
@@ -384,7 +454,7 @@ def format_table(rows: list[dict[str, Any]], pairs: Optional[list[dict[str, Any]
             se = p.get("auc_diff_se")
             ok = "-" if se is None else ("yes" if abs(p["auc_diff"]) <= max(2 * se, 0.001) else "no")
             lines.append("| " + " | ".join([str(p["seed"]), f"{p['speed']:.2f}x", f"{p['speed_cpu']:.2f}x",
-                                            f"{p['auc_diff']:+.4f}", _f(se, ".4f"), ok]) + " |")
+                                            _diff(p["auc_diff"]), _diff(se, ""), ok]) + " |")
     if by["off"] and by["on"]:
         speed = _median(by["on"], "samples_per_s") / _median(by["off"], "samples_per_s")
         speed_cpu = _median(by["on"], "samples_per_cpu_s") / _median(by["off"], "samples_per_cpu_s")
@@ -392,14 +462,15 @@ def format_table(rows: list[dict[str, Any]], pairs: Optional[list[dict[str, Any]
             _median(by["on"], "auc") - _median(by["off"], "auc")
         lines.append("")
         lines.append(f"on/off samples/s: **{speed:.2f}x** wall, **{speed_cpu:.2f}x** per training-loop CPU second "
-                     f"(target >= 2x; medians); AUC on - off: {dauc:+.4f} (mean over seeds).")
+                     f"(target >= 2x; medians); AUC on - off: {_diff(dauc)} (mean over seeds).")
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["--child"]:  # internal: one train_rec run with CPU accounting (see run_variant)
-        child(raw[1], raw[3:])
+    if raw[:1] == ["--child"]:  # internal: --child OUT_JSON [--same-init] -- TRAIN_REC_ARGS (see run_variant)
+        same_init = raw[2] == "--same-init"
+        child(raw[1], raw[raw.index("--") + 1:], same_init=same_init)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fields", type=int, default=DEFAULTS["fields"])
@@ -412,6 +483,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--sparse-opt", default=DEFAULTS["sparse_opt"], choices=["sgd", "rowwise_adagrad", "adam"],
                    help="the picasso tables' fused optimizer (on)")
     p.add_argument("--sparse-lr", type=float, default=None, help="the picasso tables' lr (default: --lr)")
+    p.add_argument("--optimizer", default=DEFAULTS["optimizer"], choices=["adamw", "sgd"],
+                   help="adamw: each side its own optimizer (dense AdamW vs --sparse-opt); sgd: plain SGD on both "
+                        "sides, no clipping, same initial weights (the same-arithmetic comparison)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seeds", type=int, nargs="+", default=[1234], help="one off/on pair per seed, in turn")
     p.add_argument("--only", choices=["off", "on"], default=None, help="run one variant only")
@@ -441,7 +515,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     row = run_variant(name, picasso, workdir / f"seed{seed}", fields=args.fields, vocab=args.vocab,
                                       steps=args.steps, eval_samples=args.eval_samples,
                                       micro_batch=args.micro_batch, threads=args.threads, seed=seed, lr=args.lr,
-                                      sparse_opt=args.sparse_opt, sparse_lr=args.sparse_lr)
+                                      sparse_opt=args.sparse_opt, sparse_lr=args.sparse_lr,
+                                      optimizer=args.optimizer)
                     rows.append(row)
                     print(f"seed {seed} {name}: {row['samples_per_s']:,.0f} samples/s, AUC {row['auc']:.4f} "
                           f"(SE {_f(row['auc_se'], '.4f')}, teacher {_f(row['bayes_auc'], '.4f')}), log loss "
@@ -466,31 +541,45 @@ def main(argv: Optional[list[str]] = None) -> None:
     import torch
 
     micro = args.micro_batch or json.loads(BASE_CONFIG.read_text())["train_micro_batch_size_per_gpu"]
-    block = picasso_block(args.sparse_opt, args.lr if args.sparse_lr is None else args.sparse_lr)
+    on_cfg = job_config(True, args.micro_batch, lr=args.lr, sparse_opt=args.sparse_opt, sparse_lr=args.sparse_lr,
+                        optimizer=args.optimizer)
     cmd = " ".join([".venv/bin/python benchmarks/rec_e2e.py", *argv_used]).strip()
+    if args.optimizer == "sgd":
+        setup = f"""`ds_configs/demo_cpu.json` (ZeRO 1, linear warm-up over 100 steps then linear decay to 0 at the last
+step, micro-batch {micro}) with wandb off, its AdamW replaced by `{json.dumps(on_cfg["optimizer"])}`, gradient
+clipping 0 and the schedule peak {args.lr:g}; "on" adds `"picasso": {json.dumps(on_cfg["picasso"])}`. Off: one
+`nn.EmbeddingBag` per field (deep, dim 16, and wide, dim 1), dense gradients, every parameter updated by
+DeepSpeed's SGD. On: packed tables with picasso's fused SGD at DeepSpeed's lr of each step; dense layers
+the same DeepSpeed SGD. Both start from the same weights (the benchmark's child builds off's model from the
+same RNG state and copies it into the packed tables). Plain SGD moves only the rows a batch touches, so the
+two variants compute the same updates and differ by float rounding order only: this isolates packing and
+the fused kernels from the choice of optimizer."""
+        section = SAME_MATH_SECTION
+    else:
+        setup = f"""`ds_configs/demo_cpu.json` (AdamW, ZeRO 1, gradient clipping 1.0, linear warm-up over 100 steps then
+linear decay to 0 at the last step, micro-batch {micro}) with wandb off and the AdamW lr and schedule peak set
+to {args.lr:g}; "on" adds `"picasso": {json.dumps(on_cfg["picasso"])}`. Off: one `nn.EmbeddingBag` per field
+(deep, dim 16, and wide, dim 1), dense gradients, tables updated by DeepSpeed's AdamW with the dense layers.
+On: packed tables with the fused sparse optimizer (applied at the DeepSpeed step boundary, constant lr:
+DeepSpeed's schedule and clipping cover the dense layers only); dense layers AdamW."""
+        section = SECTION
     body = f"""Command: `{cmd}` ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 rank,
-{args.threads} torch thread, shared machine; {meta['started']} to {meta['finished']}, {meta['total_s'] / 60:.1f} min
+{args.threads} torch thread; {meta['started']} to {meta['finished']}, {meta['total_s'] / 60:.1f} min
 for all runs; 1-minute load average over the whole benchmark min {_f(meta['bench_load_min'], '.1f')}, mean
 {_f(meta['bench_load_mean'], '.1f')}, max {_f(meta['bench_load_max'], '.1f')}, per run in the second table).
 
 Each run is `launch/train_rec.py --config TMP.json --fields {args.fields} --vocab {args.vocab} --steps {args.steps}
 --eval-samples {args.eval_samples} --threads {args.threads} --seed SEED` in a fresh process, TMP.json being
-`ds_configs/demo_cpu.json` (AdamW, ZeRO 1, gradient clipping 1.0, linear warm-up over 100 steps then linear
-decay to 0 at the last step, micro-batch {micro}) with wandb off and the AdamW lr and schedule peak set to
-{args.lr:g}; "on" adds `"picasso": {json.dumps(block)}`. Off: one `nn.EmbeddingBag` per field (deep, dim 16,
-and wide, dim 1), dense gradients, tables updated by DeepSpeed's AdamW with the dense layers. On: packed
-tables with the fused sparse optimizer (applied at the DeepSpeed step boundary, constant lr: DeepSpeed's
-schedule and clipping cover the dense layers only); dense layers AdamW. Synthetic data: Zipf(1.1) ids,
-1-3 ids per field, 13 dense features, planted teacher (its own draw per seed); one seed gives both
-variants the same training stream and the same held-out set. samples/s is train_rec's (training loop
-only, batch generation included); AUC is exact over the held-out set; "AUC SE (H-M)" is Hanley-McNeil's;
-the paired SE of on - off is DeLong's over the two runs' scores on that set. "samples per train-loop CPU
-s": train_rec runs in-process under a wrapper (`rec_e2e.py --child`) that takes the main thread's
-`time.thread_time()` over `train()` minus start-up, stream set-up, eval, checkpointing and wandb
-shutdown. Seeds run in turn, off then on.
+{setup} Synthetic data: Zipf(1.1) ids, 1-3 ids per field, 13 dense features, planted teacher (its own draw
+per seed); one seed gives both variants the same training stream and the same held-out set. samples/s is
+train_rec's (training loop only, batch generation included); AUC is exact over the held-out set; "AUC SE
+(H-M)" is Hanley-McNeil's; the paired SE of on - off is DeLong's over the two runs' scores on that set.
+"samples per train-loop CPU s": train_rec runs in-process under a wrapper (`rec_e2e.py --child`) that takes
+the main thread's `time.thread_time()` over `train()` minus start-up, stream set-up, eval, checkpointing
+and wandb shutdown. Seeds run in turn, off then on.
 
 {table}"""
-    write_section(RESULTS, SECTION, body)
+    write_section(RESULTS, section, body, title=f"{meta['started'][:16]}, benchmarks/rec_e2e.py")
     print(f"wrote {RESULTS}")
 
 

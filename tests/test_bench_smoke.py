@@ -75,3 +75,51 @@ def test_cache_build_memory_bench_reports_both_builds(tmp_path):
         row = bench._build(variant, fields=3, vocab=200, dim=4, cache_rows=50, workdir=str(tmp_path / variant))
         assert row["variant"] == variant and row["seconds"] >= 0
         assert row["peak_anon_mb"] >= row["before_build_mb"] > 0
+
+
+def test_rec_e2e_copy_into_packed_gives_the_plain_models_logits():
+    import torch
+
+    from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep
+
+    e2e = _load("rec_e2e")
+    args = WideAndDeepArgs(vocab_sizes=[30, 40, 50], num_dense=3, embedding_dim=4, hidden=(8,))
+    torch.manual_seed(0)
+    plain = WideAndDeep(args)
+    torch.nn.init.normal_(plain.wide.bags[1].weight)  # the wide tables start at zero: make the copy show
+    packed = packed_wide_and_deep(args, SparseArgs(optimizer="sgd", optimizer_params={"lr": 0.1}))
+    e2e.copy_into_packed(plain, packed)
+    lengths = torch.tensor([[1, 2], [0, 1], [3, 1]])
+    values = torch.tensor([1, 2, 29, 5, 0, 1, 49, 7])
+    dense = torch.randn(2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(dense, values, lengths), plain(dense, values, lengths), rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_rec_e2e_same_arithmetic_mode_gives_the_same_scores(tmp_path):
+    """--optimizer sgd: packed tables with fused SGD = per-field bags with DeepSpeed's SGD, from the same weights."""
+    import json
+
+    import numpy as np
+
+    e2e = _load("rec_e2e")
+    rows = {name: e2e.run_variant(name, picasso, tmp_path, fields=26, vocab=100, steps=6, eval_samples=512,
+                                  micro_batch=32, timeout_s=170, lr=0.3, optimizer="sgd")
+            for name, picasso in (("off", False), ("on", True))}
+    on_cfg = json.loads((tmp_path / "on.json").read_text())
+    assert on_cfg["optimizer"]["type"] == "SGD" and on_cfg["gradient_clipping"] == 0.0
+    assert on_cfg["picasso"]["optimizer"] == {"type": "sgd", "lr": 0.3, "lr_schedule": "deepspeed"}
+    off, on = (np.load(rows[n]["scores"]) for n in ("off", "on"))
+    assert np.array_equal(off["labels"], on["labels"])
+    assert np.abs(off["scores"] - on["scores"]).max() < 1e-4  # float rounding order only
+    assert np.abs(off["scores"] - off["scores"].mean()).max() > 1e-3  # six steps moved the model off its start
+    assert abs(rows["on"]["auc"] - rows["off"]["auc"]) < 1e-3
+
+
+def test_cache_bench_runs_end_with_the_same_table(tmp_path):
+    bench = _load("cache")
+    out = bench.training_speed(vocab=2_000, dim=4, batch=16, fields=2, pool=2, steps=10, warmup=5, workdir=tmp_path)
+    assert out["max_weight_diff"] == 0.0 and out["max_state_diff"] == 0.0
+    assert all(out[k] > 0 for k in ("no_cache", "cache", "cache_no_prefetch"))
+    assert 0.0 < out["train_hit_rate"] <= 1.0 and out["prefetched"] > 0
