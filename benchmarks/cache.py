@@ -9,8 +9,10 @@
     ``posix_fadvise(POSIX_FADV_DONTNEED)``, see ``MmapRowStore``), so every row
     access really reaches the disk; with a 10% cache (LFU, prefetch of the next
     batch overlapped with the step) vs the same run reading and writing every
-    row through the store. Same data, same row-wise Adagrad; both runs end with
-    the same weights (checked).
+    row through the store, and vs the same cache without prefetch (its misses
+    read inside the step): the last pair isolates what overlapping the store
+    reads with compute (the interleaving's prefetch stage) buys on this CPU.
+    Same data, same row-wise Adagrad; all runs end with the same weights (checked).
 
 Run::
 
@@ -121,14 +123,15 @@ class Model(nn.Module):
         return self.mlp(pooled.flatten(1)).squeeze(1)
 
 
-def train(model: Model, opt: torch.optim.Optimizer, batches: list[Tensor], labels: list[Tensor], cached: bool,
+def train(model: Model, opt: torch.optim.Optimizer, batches: list[Tensor], labels: list[Tensor], prefetch: bool,
           following: Tensor | None = None) -> float:
-    """Seconds for all steps; the cached table prefetches the next batch (then ``following``) during each step."""
+    """Seconds for all steps; with ``prefetch`` the cached table reads the next batch's misses (then ``following``)
+    during each step."""
     t0 = time.perf_counter()
     for i, (ids, y) in enumerate(zip(batches, labels)):
         logits = model(ids)
         nxt = batches[i + 1] if i + 1 < len(batches) else following
-        if cached and nxt is not None:
+        if prefetch and nxt is not None:
             model.table.prefetch(nxt)  # overlaps the store reads with this step's compute
         loss = nn.functional.binary_cross_entropy_with_logits(logits, y)
         opt.zero_grad()
@@ -139,7 +142,7 @@ def train(model: Model, opt: torch.optim.Optimizer, batches: list[Tensor], label
 
 def training_speed(vocab: int, dim: int, batch: int, fields: int, pool: int, steps: int, warmup: int,
                    workdir: Path) -> dict[str, float]:
-    """Samples/s without and with the cache over a page-cache-dropped mmap store."""
+    """Samples/s without the cache, with it, and with it but no prefetch, over a page-cache-dropped mmap store."""
     state_dims = {"momentum1": 1}
     params = {"lr": 0.05}
     w0 = hashed_init(torch.arange(vocab), dim, 0.05, seed=3)
@@ -152,36 +155,58 @@ def training_speed(vocab: int, dim: int, batch: int, fields: int, pool: int, ste
     plain_store = MmapRowStore(workdir / "plain.rows", vocab, dim, state_dims, create=True, weight=w0, drop_page_cache=True)
     plain = Model(StoreTable(plain_store, "rowwise_adagrad", params), fields, dim)
     plain_opt = torch.optim.SGD(plain.mlp.parameters(), lr=0.01)
-    cache_store = MmapRowStore(workdir / "cached.rows", vocab, dim, state_dims, create=True, weight=w0, drop_page_cache=True)
-    table = CachedEmbeddingTable(cache_store, vocab // 10, optimizer="rowwise_adagrad", optimizer_params=params)
-    cached = Model(table, fields, dim)
-    cached_opt = torch.optim.SGD(cached.mlp.parameters(), lr=0.01)
-    train(plain, plain_opt, batches[:warmup], labels[:warmup], cached=False)
-    t_warm = train(cached, cached_opt, batches[:warmup], labels[:warmup], cached=True, following=batches[warmup])
-    table.reset_stats()
-    # timed steps in alternating chunks, so both runs see the same load on this shared machine
-    secs = {"no_cache": 0.0, "cache": 0.0}
+    stores, tables, models, opts = {}, {}, {}, {}
+    for name in ("cache", "cache_no_prefetch"):
+        stores[name] = MmapRowStore(workdir / f"{name}.rows", vocab, dim, state_dims, create=True, weight=w0,
+                                    drop_page_cache=True)
+        tables[name] = CachedEmbeddingTable(stores[name], vocab // 10, optimizer="rowwise_adagrad",
+                                            optimizer_params=params)
+        models[name] = Model(tables[name], fields, dim)
+        opts[name] = torch.optim.SGD(models[name].mlp.parameters(), lr=0.01)
+    table = tables["cache"]
+    train(plain, plain_opt, batches[:warmup], labels[:warmup], prefetch=False)
+    t_warm = train(models["cache"], opts["cache"], batches[:warmup], labels[:warmup], prefetch=True,
+                   following=batches[warmup])
+    train(models["cache_no_prefetch"], opts["cache_no_prefetch"], batches[:warmup], labels[:warmup], prefetch=False)
+    for t in tables.values():
+        t.reset_stats()
+    # timed steps in alternating chunks, so all runs see the same load on this shared machine
+    secs = {"no_cache": 0.0, "cache": 0.0, "cache_no_prefetch": 0.0}
     for lo in range(warmup, warmup + steps, CHUNK):
         hi = min(lo + CHUNK, warmup + steps)
-        secs["no_cache"] += train(plain, plain_opt, batches[lo:hi], labels[lo:hi], cached=False)
+        secs["no_cache"] += train(plain, plain_opt, batches[lo:hi], labels[lo:hi], prefetch=False)
         after = batches[hi] if hi < len(batches) else None
-        secs["cache"] += train(cached, cached_opt, batches[lo:hi], labels[lo:hi], cached=True, following=after)
-    out["no_cache"] = batch * steps / secs["no_cache"]
-    out["cache"] = batch * steps / secs["cache"]
+        secs["cache"] += train(models["cache"], opts["cache"], batches[lo:hi], labels[lo:hi], prefetch=True,
+                               following=after)
+        secs["cache_no_prefetch"] += train(models["cache_no_prefetch"], opts["cache_no_prefetch"], batches[lo:hi],
+                                           labels[lo:hi], prefetch=False)
+    for name, s in secs.items():
+        out[name] = batch * steps / s
     out["cache_with_warmup"] = batch * (warmup + steps) / (secs["cache"] + t_warm)
     logger.info("no cache: %.0f samples/s (%.2f s/step)", out["no_cache"], secs["no_cache"] / steps)
     out["train_hit_rate"] = table.stats.hit_rate
     out["prefetched"] = table.stats.prefetched / max(1, table.stats.misses)
     logger.info("cache: %.0f samples/s (%.2f s/step), hit rate %.3f", out["cache"], secs["cache"] / steps,
                 out["train_hit_rate"])
-    table.close()
+    out["no_prefetch_hit_rate"] = tables["cache_no_prefetch"].stats.hit_rate
+    for t in tables.values():
+        t.close()  # flushes the cached rows to the stores
     probe = torch.arange(vocab)
-    a, b = plain_store.get_rows(probe), cache_store.get_rows(probe)
-    out["max_weight_diff"] = float((a.rows - b.rows).abs().max())
-    out["max_state_diff"] = float((a.state["momentum1"] - b.state["momentum1"]).abs().max())
+    a = plain_store.get_rows(probe)
+    got = [st.get_rows(probe) for st in stores.values()]
+    out["max_weight_diff"] = max(float((a.rows - b.rows).abs().max()) for b in got)
+    out["max_state_diff"] = max(float((a.state["momentum1"] - b.state["momentum1"]).abs().max()) for b in got)
     plain_store.close()
-    cache_store.close()
+    for st in stores.values():
+        st.close()
     return out
+
+
+def _load_average() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
 
 
 def write_results(text: str, path: Path) -> None:
@@ -206,16 +231,19 @@ def main() -> None:
         hr_cfg = dict(vocab=1_000_000, ids_per_batch=4096, steps=400, capacity=100_000)
         tr_cfg = dict(vocab=1_000_000, dim=32, batch=256, fields=8, pool=3, steps=40, warmup=100)
     workdir = Path(tempfile.mkdtemp(prefix="cache_bench_", dir=args.workdir))
+    load_before = _load_average()
     try:
         rates = hit_rates(**hr_cfg)
         speed = training_speed(**tr_cfg, workdir=workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    load_after = _load_average()
     fs = os.popen(f"df -T {workdir.parent} | tail -1 | awk '{{print $2}}'").read().strip()
     text = f"""{SECTION}
 
-Command: `.venv/bin/python benchmarks/cache.py` ({platform.machine()}, torch {torch.__version__}, 1 thread,
-shared 2-core machine). Store file on {fs}.
+Command: `{" ".join([".venv/bin/python benchmarks/cache.py", *sys.argv[1:]])}` ({platform.machine()}, torch {torch.__version__}, 1 thread,
+2-core machine, 1-minute load average {load_before} before, {load_after} after; {time.strftime("%Y-%m-%d %H:%M")}).
+Store file on {fs}.
 
 **(a) Hit rate at 10% capacity, Zipf(1.1)** — {hr_cfg['vocab']:,} ids, cache {hr_cfg['capacity']:,} rows,
 {hr_cfg['steps']} batches of {hr_cfg['ids_per_batch']} ids ({rates['references']:,.0f} references: one per unique id
@@ -234,18 +262,20 @@ Target: within 5 points of Belady (gaps in points).
 memory-mapped file; after every read and write batch the store runs `fdatasync`, `madvise(MADV_DONTNEED)` and
 `os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)` so the OS page cache cannot hide the disk. Model: {tr_cfg['fields']}
 fields x pooling {tr_cfg['pool']} in that table, MLP 256-256-1, batch {tr_cfg['batch']}, Zipf(1.1) ids; {tr_cfg['warmup']}
-warm-up steps, then {tr_cfg['steps']} timed steps, the two runs alternating in chunks of {CHUNK} steps.
+warm-up steps, then {tr_cfg['steps']} timed steps, the three runs alternating in chunks of {CHUNK} steps.
 
 | run | samples/s | speed-up |
 |---|---|---|
 | no cache (each step reads and writes all of its rows in the store) | {speed['no_cache']:.0f} | 1.0x |
 | cache 10% (LFU, write-back, prefetch of the next batch) | {speed['cache']:.0f} | {speed['cache'] / speed['no_cache']:.1f}x |
 | same, warm-up steps included | {speed['cache_with_warmup']:.0f} | {speed['cache_with_warmup'] / speed['no_cache']:.1f}x |
+| cache 10%, no prefetch (misses read from the store inside the step) | {speed['cache_no_prefetch']:.0f} | {speed['cache_no_prefetch'] / speed['no_cache']:.1f}x |
 
-Cache hit rate in the timed steps {speed['train_hit_rate']:.3f}; {100 * speed['prefetched']:.0f}% of misses served by
-the prefetch. Both runs end with the same table (max |diff|: weights {speed['max_weight_diff']:.1e}, Adagrad state
-{speed['max_state_diff']:.1e}). Target: >= 2x. One run on a machine shared with other jobs: repeated runs of this
-configuration differed by up to about 20% in the ratio.
+Cache hit rate in the timed steps {speed['train_hit_rate']:.3f} ({speed['no_prefetch_hit_rate']:.3f} without prefetch);
+{100 * speed['prefetched']:.0f}% of misses served by the prefetch. Overlapping the store reads with the step
+(prefetch on vs off, same cache): **{speed['cache'] / speed['cache_no_prefetch']:.2f}x**. All runs end with the same table (max |diff|: weights {speed['max_weight_diff']:.1e}, Adagrad state
+{speed['max_state_diff']:.1e}). Target: >= 2x. One run; on the shared machine of earlier sessions repeated runs of
+this configuration differed by up to about 20% in the ratio.
 """
     logger.info("\n%s", text)
     if not args.quick:
