@@ -475,6 +475,20 @@ def test_missing_compiler_detected_without_building(monkeypatch, caplog):
     assert sum("no-such-compiler-xyz" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_cuda_tensors_choose_triton_when_importable(monkeypatch, caplog):
+    """The choice itself needs no GPU: CUDA float32 -> triton, else the reference with one warning."""
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("PICASSO_OPS_DISABLE_TRITON", raising=False)
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    assert ops.select_backend(cuda) == "triton"
+    assert ops.select_backend(cuda, torch.float16) == "reference"
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    monkeypatch.setattr(ops, "_warned", set())  # the warning is once per process
+    with caplog.at_level(logging.WARNING):
+        assert ops.select_backend(cuda) == "reference"
+    assert any("Triton is not importable" in r.getMessage() for r in caplog.records)
+
+
 def test_float64_weights_use_reference():
     assert ops.select_backend(torch.device("cpu"), torch.float64) == "reference"
     w = torch.randn(5, 4, dtype=torch.float64)
