@@ -122,6 +122,33 @@ def test_prefetch_reads_the_right_rows_in_background() -> None:
     table.close()
 
 
+def test_wait_io_leaves_the_store_idle() -> None:
+    """After wait_io no store call is in flight: a slow prefetch and a slow write-back have both finished."""
+    store = HostRowStore(20, 2, weight=torch.arange(40.0).view(20, 2))
+    table = CachedEmbeddingTable(store, capacity=2, optimizer="sgd", optimizer_params={"lr": 1.0})
+    busy, calls = threading.Event(), []
+    get, put = store.get_rows, store.put_rows
+
+    def slow(fn, name):
+        def call(*a, **k):
+            busy.set()
+            time.sleep(0.2)
+            calls.append(name)
+            busy.clear()
+            return fn(*a, **k)
+        return call
+
+    table.lookup(torch.tensor([1, 2]))
+    table.apply_gradients(torch.tensor([1, 2]), torch.ones(2, 2))  # both dirty
+    store.get_rows, store.put_rows = slow(get, "get"), slow(put, "put")  # type: ignore[method-assign]
+    table.lookup(torch.tensor([3, 4]))  # evicts 1 and 2: their write-back goes to the I/O thread
+    table.prefetch(torch.tensor([5, 6]))
+    table.wait_io()
+    assert not busy.is_set() and "put" in calls and calls.count("get") == 2  # the lookup's miss and the prefetch
+    assert torch.equal(get(torch.tensor([1])).rows, torch.tensor([[1.0, 2.0]]))  # 2, 3 minus the SGD step
+    table.close()
+
+
 def test_lru_and_lfu_on_handmade_traces() -> None:
     def resident(policy: str, trace: list[list[int]], **kw: float) -> set[int]:
         t = CachedEmbeddingTable(HostRowStore(10, 1), capacity=2, policy=policy, **kw)  # type: ignore[arg-type]
@@ -244,3 +271,35 @@ def test_bad_ids_and_configs_give_clear_errors() -> None:
     with pytest.raises(ValueError, match="unique"):
         store.put_rows(torch.tensor([1, 1]), torch.zeros(2, 2))
     assert len(table) == 0  # failed lookups left nothing behind
+
+
+def test_slot_index_matches_a_dict_under_random_inserts_and_erases() -> None:
+    from picasso_ops.cache.slot_index import SlotIndex
+    from picasso_ops.vocab.hash_table import TableFullError
+
+    index, model = SlotIndex(64), {}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ids = torch.randint(0, 500, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
+        if bool(torch.rand(1, generator=g) < 0.5):
+            fresh = set(ids.tolist()) - model.keys()
+            if len(model) + len(fresh) > 64:
+                with pytest.raises(TableFullError, match="free slots"):
+                    index.insert(ids)
+                continue
+            slots = index.insert(ids)
+            for i, s in zip(ids.tolist(), slots.tolist()):
+                assert model.setdefault(i, s) == s  # an id keeps its slot
+        else:
+            freed = index.erase(ids)
+            assert sorted(freed.tolist()) == sorted(model.pop(i) for i in set(ids.tolist()) if i in model)
+        assert len(index) == len(model) and len(set(model.values())) == len(model)
+        probe = torch.arange(500)
+        assert index.find(probe).tolist() == [model.get(i, -1) for i in range(500)]
+        held, slots = index.items()
+        assert held.tolist() == sorted(model) and index.ids_of(slots).tolist() == held.tolist()
+        assert int(index.occupied().sum()) == len(model)
+    with pytest.raises(ValueError, match="never negative"):
+        index.find(torch.tensor([-3]))
+    index.clear()
+    assert len(index) == 0 and not bool(index.occupied().any())

@@ -1,8 +1,8 @@
 """A fixed-capacity fast tier of hot rows in front of a :class:`~picasso_ops.cache.store.RowStore`.
 
 The cache holds ``capacity`` rows and their optimizer state in compact
-buffers, found through an :class:`~picasso_ops.vocab.hash_table.IdHashTable`
-(id -> cache slot). A lookup makes every id of the batch resident: misses are
+buffers, found through a :class:`~picasso_ops.cache.slot_index.SlotIndex`
+(id -> cache slot, over the C++ hash-table op). A lookup makes every id of the batch resident: misses are
 read from the store (or from a prefetch), and when the cache is full the
 policy picks victims among rows the batch does not use:
 
@@ -66,7 +66,8 @@ from torch import Tensor, nn
 from picasso_ops.cache.store import HostRowStore, RowStore, StoredRows, check_store_ids  # HostRowStore: doc examples
 from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
 from picasso_ops.vocab.dynamic_table import with_sparse_update
-from picasso_ops.vocab.hash_table import IdHashTable, _mix
+from picasso_ops.cache.slot_index import SlotIndex
+from picasso_ops.vocab.hash_table import _mix
 
 __all__ = ["CachedEmbeddingTable", "CacheStats", "CachePolicy"]
 
@@ -150,7 +151,7 @@ class CachedEmbeddingTable(nn.Module):
         self.policy: CachePolicy = policy
         self.aging_interval, self.aging_factor = int(aging_interval), float(aging_factor)
         self.optimizer = create_optimizer(optimizer, optimizer_params or {})
-        self._index = IdHashTable(capacity)
+        self._index = SlotIndex(capacity)
         cap = self._index.capacity
         self.weight = torch.zeros(cap, self.dim)
         self.state = self.optimizer.init_state(cap, self.dim, num_logical_rows=cap)
@@ -521,6 +522,19 @@ class CachedEmbeddingTable(nn.Module):
         self._drop_staged(ids)
         self.dirty[slots] = False
         self._counts["writebacks"] += slots.numel()
+
+    def wait_io(self) -> None:
+        """Wait for the store reads (prefetch) and write-backs in flight: the store is idle until the next call.
+
+        For a store connection shared with other code (e.g. one ``PSClient``), which must not run concurrently.
+
+        Example::
+
+            >>> t = CachedEmbeddingTable(HostRowStore(10, 2), capacity=4)
+            >>> t.prefetch(torch.tensor([4, 5])); t.wait_io()
+        """
+        self._settle_staged()
+        self._wait_writes(0)
 
     # ---------------------------------------------------------------- prefetch bookkeeping
     def _settle_staged(self) -> None:

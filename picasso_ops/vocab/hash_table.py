@@ -15,9 +15,10 @@ Erased keys leave tombstones (a lookup must probe past them); the table rebuilds
 itself when tombstones pile up.
 
 Any int64 is a valid key (bucket state lives in its own byte array, so no key
-value is reserved). This is the pure-torch implementation; a C++ op with the
-same five-member interface (``find``, ``insert``, ``erase``, ``__len__``,
-``capacity``) will replace it.
+value is reserved), which is why the dynamic vocabulary keeps this pure-torch
+table for raw ids; the hot-row cache, whose keys are store rows, indexes them
+with the C++ op instead (:class:`~picasso_ops.cache.slot_index.SlotIndex` over
+:class:`~picasso_ops.ops.HashTable`, which reserves two key values).
 
 Example::
 
