@@ -202,13 +202,6 @@ def training_speed(vocab: int, dim: int, batch: int, fields: int, pool: int, ste
     return out
 
 
-def _load_average() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "?"
-
-
 def write_results(text: str, path: Path) -> None:
     """Replace (or append) this benchmark's section of RESULTS.md, keeping the others."""
     old = path.read_text() if path.exists() else "# Benchmark results\n"
@@ -231,13 +224,15 @@ def main() -> None:
         hr_cfg = dict(vocab=1_000_000, ids_per_batch=4096, steps=400, capacity=100_000)
         tr_cfg = dict(vocab=1_000_000, dim=32, batch=256, fields=8, pool=3, steps=40, warmup=100)
     workdir = Path(tempfile.mkdtemp(prefix="cache_bench_", dir=args.workdir))
-    load_before = _load_average()
+    from embedding import load_average  # benchmarks/embedding.py
+
+    load_before = load_average()
     try:
         rates = hit_rates(**hr_cfg)
         speed = training_speed(**tr_cfg, workdir=workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    load_after = _load_average()
+    load_after = load_average()
     fs = os.popen(f"df -T {workdir.parent} | tail -1 | awk '{{print $2}}'").read().strip()
     text = f"""{SECTION}
 

@@ -134,13 +134,6 @@ def run(cfg: dict[str, int], timeout_s: float) -> dict[str, Any]:
     return worker
 
 
-def _load_average() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, no RESULTS.md")
@@ -151,7 +144,9 @@ def main() -> None:
         cfg = dict(vocab=1_000_000, dim=32, batch=256, fields=8, pool=3, steps=40, warmup=100, max_seconds=900)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    load_before = _load_average()
+    from embedding import load_average  # benchmarks/embedding.py
+
+    load_before = load_average()
     t0 = time.perf_counter()
     out = run(cfg, timeout_s=cfg["max_seconds"] + 60)
     total = time.perf_counter() - t0
@@ -159,7 +154,7 @@ def main() -> None:
 
     cmd = " ".join([".venv/bin/python benchmarks/cache_ps.py", *sys.argv[1:]])
     text = f"""Command: `{cmd}` ({platform.machine()}, torch {torch.__version__}, 1 thread per process,
-{os.cpu_count()} cores, 1-minute load average {load_before} before, {_load_average()} after; {total:.0f} s in all).
+{os.cpu_count()} cores, 1-minute load average {load_before} before, {load_average()} after; {total:.0f} s in all).
 One worker and one parameter-server process (gloo over 127.0.0.1). Table of {cfg['vocab']:,} x {cfg['dim']} on the
 server (three copies, one per run; row-wise Adagrad state on the worker); {cfg['fields']} fields x pooling
 {cfg['pool']}, MLP 256-256-1, batch {cfg['batch']}, Zipf(1.1) ids; {cfg['warmup']} warm-up steps, then

@@ -439,7 +439,8 @@ def write_section(path: Path, section: str, body: str, title: Optional[str] = No
     path.write_text(text.rstrip("\n") + "\n")
 
 
-def _load_average() -> str:
+def load_average() -> str:
+    """The 1-minute load average from /proc/loadavg, as text ('?' where unreadable)."""
     try:
         return Path("/proc/loadavg").read_text().split()[0]
     except OSError:
@@ -564,7 +565,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     methods = _available(list(METHODS[:4]) + (["ours_cpp"] if args.custom_ops else []))
     print(f"methods: {methods}; ours path: {ours_path()}", flush=True)
-    t0, load0 = time.perf_counter(), _load_average()
+    t0, load0 = time.perf_counter(), load_average()
     cmd = ".venv/bin/python benchmarks/embedding.py " + " ".join(argv if argv is not None else sys.argv[1:])
     earlier: list[dict[str, Any]] = []
     if args.append and Path(args.json).exists():
@@ -590,7 +591,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("\nthread CPU time, ms:\n" + format_table(results, "cpu"))
     print("\nwall time, ms:\n" + format_table(results, "wall"))
     if not args.no_results:
-        write_section(RESULTS, SECTION, results_body(results, total, load=f"{load0} and {_load_average()}"))
+        write_section(RESULTS, SECTION, results_body(results, total, load=f"{load0} and {load_average()}"))
         print(f"wrote {RESULTS}")
 
 
