@@ -39,7 +39,8 @@ from picasso_ops.data.synthetic import SyntheticConfig, SyntheticCTRGenerator, S
 from picasso_ops.data.metrics import auc, log_loss  # noqa: E402
 from picasso_ops.distributed import engine_step  # noqa: E402
 from picasso_ops.embedding.sparse_optim import OPTIMIZERS  # noqa: E402
-from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep  # noqa: E402
+from picasso_ops.models import (DLRM, DLRMArgs, SparseArgs, WideAndDeep, WideAndDeepArgs, packed_dlrm,  # noqa: E402
+                                packed_wide_and_deep)
 from picasso_ops.block import (PicassoBlockError, apply_picasso_block, cached_field_embeddings,  # noqa: E402
                                 flush_caches, monitor_events, picasso_summary)
 from sparse_scale.config import load_config  # noqa: E402
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-hot", type=int, default=3, help="max ids per field and sample (synthetic)")
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--model", choices=["wide_deep", "dlrm"], default="wide_deep",
+                   help="wide-and-deep (wide ids + FM + MLP, mean pooling) or DLRM (bottom MLP, dot interactions, "
+                        "top MLP, sum pooling); either over per-field tables, or packed ones with a picasso block")
     p.add_argument("--eval-samples", type=int, default=200_000, help="held-out samples (synthetic)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -247,8 +251,8 @@ class RecJob:
         else:
             self.vocab_sizes = [args.vocab] * 26
             self.num_dense = 13
-        self.model_args = WideAndDeepArgs(vocab_sizes=self.vocab_sizes, num_dense=self.num_dense,
-                                          embedding_dim=args.embedding_dim)
+        shape = DLRMArgs if args.model == "dlrm" else WideAndDeepArgs
+        self.model_args = shape(vocab_sizes=self.vocab_sizes, num_dense=self.num_dense, embedding_dim=args.embedding_dim)
 
     @property
     def claims_batches(self) -> bool:
@@ -496,8 +500,8 @@ def scheduled_sparse_lr(block: Any) -> float | None:
 def build_model(job: RecJob) -> torch.nn.Module:
     """The CTR model for this job.
 
-    Without a ``picasso`` block: wide-and-deep over one ``nn.EmbeddingBag`` per
-    field. With it: the same model over packed tables (packing, embedding_dim
+    Without a ``picasso`` block: wide-and-deep (``--model dlrm``: DLRM) over one
+    ``nn.EmbeddingBag`` per field. With it: the same model over packed tables (packing, embedding_dim
     and the fused sparse optimizer from the block), whose update runs in
     ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step),
     served through a hot-row cache with a ``cache`` block and run as interleaved
@@ -505,28 +509,33 @@ def build_model(job: RecJob) -> torch.nn.Module:
     With ``--server-tables`` (gba block): the same model, its tables on the parameter servers.
     """
     block = job.job.blocks.get("picasso")
+    a, dlrm = job.model_args, job.args.model == "dlrm"
     if job.args.server_tables:  # RecJob allows it with a gba block only
         from gba_engine.tables import ServerFieldEmbeddings
 
-        a = job.model_args
-        return WideAndDeep(a, embeddings=ServerFieldEmbeddings(a.vocab_sizes, a.embedding_dim, a.pooling, 0.01,
-                                                               "deep", seed=job.args.seed),
+        deep = ServerFieldEmbeddings(a.vocab_sizes, a.embedding_dim, a.pooling, 0.01, "deep", seed=job.args.seed)
+        if dlrm:
+            return DLRM(a, embeddings=deep)
+        return WideAndDeep(a, embeddings=deep,
                            wide=ServerFieldEmbeddings(a.vocab_sizes, 1, a.pooling, 0.0, "wide", seed=job.args.seed))
     if block is None:
-        return WideAndDeep(job.model_args)
-    args = dataclasses.replace(job.model_args, embedding_dim=block.embedding_dim)
+        return DLRM(a) if dlrm else WideAndDeep(a)
+    args = dataclasses.replace(a, embedding_dim=block.embedding_dim)
     sparse = sparse_args(block)
     if job.rank == 0:
-        logger.info("picasso model: packing=%s dim=%d sparse optimizer %s %s (lr schedule: %s), %s tables",
-                    block.packing, block.embedding_dim, sparse.optimizer, dict(sparse.optimizer_params),
-                    block.optimizer.lr_schedule, sparse.sharding)
+        logger.info("picasso model (%s): packing=%s dim=%d sparse optimizer %s %s (lr schedule: %s), %s tables",
+                    job.args.model, block.packing, block.embedding_dim, sparse.optimizer,
+                    dict(sparse.optimizer_params), block.optimizer.lr_schedule, sparse.sharding)
     try:
         # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
         workdir = Path(job.args.out)
-        factory = None
-        if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
-            factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
-        model = packed_wide_and_deep(args, sparse, field_embeddings=factory)
+        if dlrm:  # with a cache, apply_picasso_block moves the packed tables into the store
+            model = packed_dlrm(args, sparse)
+        else:
+            factory = None
+            if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
+                factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
+            model = packed_wide_and_deep(args, sparse, field_embeddings=factory)
         return apply_picasso_block(model, block, workdir=workdir, rank=job.rank)
     except PicassoBlockError as exc:
         raise SystemExit(f"{job.args.config}: {exc}") from None
@@ -686,6 +695,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         samples, slowest = _job_totals(samples_this_run, train_time, group, engine)
         rate = samples / max(slowest, 1e-9)
     summary = {
+        "model": args.model,
         "world_size": world,
         "launcher": ctx.launcher,
         "steps": progress.step,

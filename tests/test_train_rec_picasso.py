@@ -361,3 +361,30 @@ def test_cache_built_straight_into_the_store_equals_the_converted_packed_model(t
         for sub in m.modules():
             if callable(getattr(sub, "close", None)):
                 sub.close()
+
+
+@pytest.mark.slow
+def test_dlrm_with_the_picasso_block_cache_and_interleave_on_two_ranks(tmp_path):
+    """--model dlrm: cache on = off bit for bit, interleaving 2 micro-batches = 1 up to rounding; plain DLRM trains."""
+    runs = {}
+    cache = {"cache": {"rows": 1200, "policy": "lfu", "store": "mmap"}}
+    for name, extra in (("off", {}), ("on", cache), ("inter", {**cache, "interleave": {"micro_batches": 2}})):
+        cfg = _config(tmp_path / name, {**BLOCK, **extra})
+        runs[name] = run_distributed(_run, 2, args=([*SMALL, "--model", "dlrm", "--steps", "3", "--config", cfg,
+                                                      "--out", str(tmp_path / f"out_{name}")],),
+                                     timeout_s=55, init_process_group=False)
+    off, on, inter = (runs[n][0] for n in ("off", "on", "inter"))
+    assert not any(k.startswith("interaction") for k in off["state"])  # its index buffers are not state
+    assert any(k.startswith("embeddings.collection.emb") for k in on["state"])  # the tables are compared too
+    assert _max_diff(on["state"], off["state"]) == 0.0
+    assert _max_diff(inter["state"], off["state"]) < 1e-5
+    assert _max_diff(runs["inter"][0]["state"], runs["inter"][1]["state"]) == 0.0
+    assert 0.0 < on["summary"]["picasso"]["cache_hit_rate"] < 1.0
+    plain_cfg = json.loads(Path(_config(tmp_path / "plain", {})).read_text())
+    del plain_cfg["picasso"]
+    (tmp_path / "plain" / "cfg.json").write_text(json.dumps(plain_cfg))
+    plain = run_distributed(_run, 1, args=([*SMALL, "--model", "dlrm", "--steps", "3", "--config",
+                                            str(tmp_path / "plain" / "cfg.json"), "--out", str(tmp_path / "out_plain")],),
+                            timeout_s=55, init_process_group=False)[0]
+    assert any(k.startswith("embeddings.bags.0") for k in plain["state"])  # one nn.EmbeddingBag per field
+    assert 0.0 <= plain["summary"]["auc"] <= 1.0 and np.isfinite(plain["summary"]["log_loss"])

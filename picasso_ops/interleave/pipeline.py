@@ -394,11 +394,7 @@ class DLRMStages:
 
     def dense(self, batch: CTRBatch, embedded: Sequence[Tensor]) -> Tensor:
         m = self.model
-        x = m.bottom(batch.dense)
-        t = torch.cat([x.unsqueeze(1), embedded[0]], dim=1)
-        z = torch.bmm(t, t.transpose(1, 2))
-        pairs = z[:, m._pair_rows, m._pair_cols]
-        return m.top(torch.cat([x, pairs], dim=1)).squeeze(-1)
+        return m.top(m.interaction(m.bottom(batch.dense), embedded[0])).squeeze(-1)
 
 
 def stages_for(model: nn.Module) -> StagedModel:

@@ -20,7 +20,7 @@ from torch import nn
 
 from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 
-__all__ = ["DLRMArgs", "DLRM", "packed_dlrm"]
+__all__ = ["DLRMArgs", "DLRM", "DotInteraction", "packed_dlrm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,32 @@ def _mlp(width: int, hidden: tuple[int, ...], out: int, last_relu: bool) -> nn.S
     return nn.Sequential(*layers)
 
 
+class DotInteraction(nn.Module):
+    """``[x, dot products of the distinct pairs of {x, e_1 .. e_F}]``: the interaction stage of :class:`DLRM`.
+
+    Example::
+
+        >>> DotInteraction(num_fields=2)(torch.ones(3, 4), torch.ones(3, 2, 4)).shape  # 4 + 3 pairs
+        torch.Size([3, 7])
+    """
+
+    def __init__(self, num_fields: int) -> None:
+        super().__init__()
+        rows, cols = torch.tril_indices(num_fields + 1, num_fields + 1, offset=-1)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pair_rows.numel()
+
+    def forward(self, x: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        t = torch.cat([x.unsqueeze(1), embedded], dim=1)  # [B, F + 1, D]
+        z = torch.bmm(t, t.transpose(1, 2))  # [B, F + 1, F + 1]
+        pairs = z[:, self.pair_rows, self.pair_cols]  # distinct pairs only (no self-products)
+        return torch.cat([x, pairs], dim=1)
+
+
 class DLRM(nn.Module):
     """logit = top_mlp([bottom(dense), dot interactions of {bottom(dense), e_1 .. e_F}]).
 
@@ -70,20 +96,15 @@ class DLRM(nn.Module):
     def __init__(self, args: DLRMArgs, embeddings: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.args = args
-        num_fields = len(args.vocab_sizes)
         self.embeddings = embeddings or FieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, 0.01)
         self.bottom = _mlp(args.num_dense, args.bottom, args.embedding_dim, last_relu=True)
-        rows, cols = torch.tril_indices(num_fields + 1, num_fields + 1, offset=-1)
-        self.register_buffer("_pair_rows", rows, persistent=False)
-        self.register_buffer("_pair_cols", cols, persistent=False)
-        self.top = _mlp(args.embedding_dim + rows.numel(), args.top, 1, last_relu=False)
+        # a submodule, so the model's own state is all in children (InterleavedForward wraps such models)
+        self.interaction = DotInteraction(len(args.vocab_sizes))
+        self.top = _mlp(args.embedding_dim + self.interaction.num_pairs, args.top, 1, last_relu=False)
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)  # [B, D]
-        t = torch.cat([x.unsqueeze(1), self.embeddings(values, lengths)], dim=1)  # [B, F + 1, D]
-        z = torch.bmm(t, t.transpose(1, 2))  # [B, F + 1, F + 1]
-        pairs = z[:, self._pair_rows, self._pair_cols]  # distinct pairs only (no self-products)
-        return self.top(torch.cat([x, pairs], dim=1)).squeeze(-1)
+        return self.top(self.interaction(x, self.embeddings(values, lengths))).squeeze(-1)
 
 
 def packed_dlrm(args: DLRMArgs, sparse: SparseArgs) -> DLRM:
