@@ -92,6 +92,23 @@ def _check_server_tables(out: Path, summary: dict) -> None:
     assert 0 < int(moved.sum()) < 200  # the rows the batches touched were trained, the others kept their start
 
 
+def test_dlrm_with_server_tables_in_gba_mode(tmp_path):
+    """--model dlrm --server-tables: DLRM's 26 tables live on the server and take the job's updates."""
+    from gba_engine.checkpoint import load_tables
+
+    out = tmp_path / "dlrm"
+    argv = [*SMALL, "--steps", "6", "--config", _config(tmp_path, "gba"), "--out", str(out), "--server-tables",
+            "--model", "dlrm"]
+    w0, w1, server = run_distributed(_run, 3, args=(argv,), timeout_s=110, init_process_group=False)
+    assert server == {"server": True} and w0["steps"] + w1["steps"] == 12
+    assert 0.0 < w0["auc"] < 1.0 and w0["auc"] == w1["auc"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "dlrm" and summary["gba"]["server_version"] >= 1
+    saved = load_tables(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), 0, 1)
+    assert sorted(saved) == sorted(f"deep{i}" for i in range(26))  # no wide part in DLRM
+    assert saved["deep0"]["weight"].shape == (200, 16) and saved["deep0"]["steps"] >= 1
+
+
 def test_gba_run_saves_by_job_batches_and_resumes_from_them(tmp_path):
     """--save-every with numbered batches: checkpoints tagged by the job's batches; --resume takes only the rest."""
     cfg, out = _config(tmp_path, "gba"), str(tmp_path / "run")
