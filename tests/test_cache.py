@@ -299,7 +299,8 @@ def test_slot_index_matches_a_dict_under_random_inserts_and_erases() -> None:
         held, slots = index.items()
         assert held.tolist() == sorted(model) and index.ids_of(slots).tolist() == held.tolist()
         assert int(index.occupied().sum()) == len(model)
+    assert index.find(torch.tensor([-3])).tolist() == [-1]
     with pytest.raises(ValueError, match="never negative"):
-        index.find(torch.tensor([-3]))
+        index.insert(torch.tensor([4, -3]))
     index.clear()
     assert len(index) == 0 and not bool(index.occupied().any())

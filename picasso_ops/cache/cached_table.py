@@ -63,10 +63,10 @@ from typing import Any, Literal, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from picasso_ops.cache.slot_index import SlotIndex
 from picasso_ops.cache.store import HostRowStore, RowStore, StoredRows, check_store_ids  # HostRowStore: doc examples
 from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
 from picasso_ops.vocab.dynamic_table import with_sparse_update
-from picasso_ops.cache.slot_index import SlotIndex
 from picasso_ops.vocab.hash_table import _mix
 
 __all__ = ["CachedEmbeddingTable", "CacheStats", "CachePolicy"]

@@ -45,7 +45,7 @@ class SlotIndex:
 
     def find(self, ids: Tensor) -> Tensor:
         """Slot of each id, ``-1`` where absent (same shape as ``ids``)."""
-        return self._table.find(self._checked(ids)).reshape(ids.shape)
+        return self._table.find(self._flat(ids)).reshape(ids.shape)
 
     def insert(self, ids: Tensor) -> Tensor:
         """Slots of ``ids``, adding the absent ones; raises :class:`TableFullError` (changing nothing) if they do not fit."""
@@ -65,7 +65,7 @@ class SlotIndex:
 
     def erase(self, ids: Tensor) -> Tensor:
         """Remove ``ids`` (absent ones are ignored); returns the freed slots."""
-        slots = self._table.erase(torch.unique(self._checked(ids)))
+        slots = self._table.erase(torch.unique(self._flat(ids)))
         freed = slots[slots >= 0]
         self._ids[freed] = -1
         return freed
@@ -91,10 +91,15 @@ class SlotIndex:
         self._ids.fill_(-1)
 
     @staticmethod
-    def _checked(ids: Tensor) -> Tensor:
+    def _flat(ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dtype != torch.int64:
             raise TypeError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
-        flat = ids.reshape(-1)
+        return ids.reshape(-1)
+
+    @classmethod
+    def _checked(cls, ids: Tensor) -> Tensor:
+        """``_flat`` plus the sign check an insert needs (-1 marks a free slot); a find of a negative id is just absent."""
+        flat = cls._flat(ids)
         if flat.numel() and int(flat.min()) < 0:
             raise ValueError(f"cache ids are store rows, never negative; got {int(flat.min())}")
         return flat
