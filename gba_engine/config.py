@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+from sparse_scale.base.blocks import StrictBlock
 
 
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class StalenessConfig(_Block):
+class StalenessConfig(StrictBlock):
     """How gradients computed on an old model version are weighed."""
 
     threshold: int = Field(4, ge=0)
@@ -22,7 +21,7 @@ class StalenessConfig(_Block):
     rate: PositiveFloat = 0.5  # base of the exponential decay
 
 
-class SwitchConfig(_Block):
+class SwitchConfig(StrictBlock):
     """The straggler detector that drives ``mode: auto``."""
 
     slow_ratio: float = Field(1.5, gt=1.0)  # a worker is slow above ratio x the median step time
@@ -37,7 +36,7 @@ class SwitchConfig(_Block):
         return self
 
 
-class GBAConfig(_Block):
+class GBAConfig(StrictBlock):
     """Validated ``"gba"`` block."""
 
     mode: Literal["sync", "gba", "auto"] = "sync"

@@ -3,7 +3,7 @@
 #
 #   bash launch/run_mpirun.sh ds_configs/demo_cpu.json [--steps 200 --out runs/demo ...]
 #
-# launch/dist_env.py maps mpirun's PMI_RANK / PMI_SIZE / MPI_LOCALRANKID to RANK / WORLD_SIZE /
+# sparse_scale/distenv.py maps mpirun's PMI_RANK / PMI_SIZE / MPI_LOCALRANKID to RANK / WORLD_SIZE /
 # LOCAL_RANK; MASTER_ADDR/PORT are passed explicitly because DeepSpeed's own MPI discovery takes
 # the first address of `hostname -I`, which is not loopback everywhere.
 # Environment knobs:

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dist_env import init_distributed  # noqa: E402
-from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
+from sparse_scale.distenv import init_distributed  # noqa: E402
+from sparse_scale.reporting import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from moe_proto.data import ByteCorpus  # noqa: E402
 from moe_proto.models import MoETransformerArgs, MoETransformerLM  # noqa: E402
 from sparse_scale.config import ConfigError, load_config  # noqa: E402

@@ -30,8 +30,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dist_env import DistContext, init_distributed  # noqa: E402
-from job_common import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
+from sparse_scale.distenv import DistContext, init_distributed  # noqa: E402
+from sparse_scale.reporting import finish_wandb, print_table, setup_wandb_env, wandb_dir  # noqa: E402
 from picasso_ops.data.batch import CTRBatch  # noqa: E402
 from picasso_ops.data.prefetch import Prefetcher  # noqa: E402
 from picasso_ops.data.row_range import RowRangeReader  # noqa: E402

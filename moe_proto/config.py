@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from sparse_scale.base.blocks import StrictBlock
 
 
-class MoEProtoConfig(BaseModel):
+class MoEProtoConfig(StrictBlock):
     """Validated ``"moe_proto"`` block."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_experts: PositiveInt
     num_prototypes: PositiveInt = 1

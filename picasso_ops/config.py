@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from sparse_scale.base.blocks import StrictBlock
 
 
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class SparseOptimizerConfig(_Block):
+class SparseOptimizerConfig(StrictBlock):
     """The optimizer fused into the embedding backward (dense layers use DeepSpeed's).
 
     ``lr_schedule``: ``"deepspeed"`` (default) runs the tables at ``lr`` x DeepSpeed's lr of that step / its
@@ -36,7 +35,7 @@ class SparseOptimizerConfig(_Block):
     beta2: float = Field(0.999, ge=0.0, lt=1.0)
 
 
-class CacheConfig(_Block):
+class CacheConfig(StrictBlock):
     """A fixed-capacity fast tier of hot rows in front of a slower store."""
 
     rows: PositiveInt
@@ -45,7 +44,7 @@ class CacheConfig(_Block):
     prefetch: bool = True
 
 
-class InterleaveConfig(_Block):
+class InterleaveConfig(StrictBlock):
     """Split each batch into micro-batches whose stages overlap; read the next batches while one trains.
 
     ``micro_batches`` K: the batch's K micro-batches run their lookups, dense compute and embedding
@@ -62,7 +61,7 @@ class InterleaveConfig(_Block):
     prefetch_batches: int = Field(0, ge=0, le=64)
 
 
-class PicassoConfig(_Block):
+class PicassoConfig(StrictBlock):
     """Validated ``"picasso"`` block; absent block = plain per-field embeddings."""
 
     packing: bool = True

@@ -1,7 +1,7 @@
-"""Launchers end to end (deepspeed, mpirun, Slurm sbatch+srun) and launch.dist_env's env mapping.
+"""Launchers end to end (deepspeed, mpirun, Slurm sbatch+srun) and sparse_scale.distenv's env mapping.
 
 The slow tests start ENTRY through each launch script on 2 ranks and read the summary.json that
-rank 0 writes. The fast tests feed launch.dist_env.resolve_dist_env plain env dicts.
+rank 0 writes. The fast tests feed sparse_scale.distenv.resolve_dist_env plain env dicts.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from launch.dist_env import (
+from sparse_scale.distenv import (
     DistEnvError,
     DistSpec,
     apply_to_environ,
@@ -128,7 +128,7 @@ def find_mpirun() -> str | None:
 FAILING_SCRIPT = """\
 import datetime, os, sys, time
 sys.path.insert(0, {repo!r})
-from launch.dist_env import apply_to_environ, resolve_dist_env
+from sparse_scale.distenv import apply_to_environ, resolve_dist_env
 import torch.distributed as dist
 spec = resolve_dist_env(os.environ)
 apply_to_environ(spec)

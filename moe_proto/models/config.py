@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
+
+from sparse_scale.base.blocks import StrictBlock
 
 BYTE_VOCAB = 256  # one token per byte value
 END_OF_DOCUMENT = 256  # the one special token, written between documents
 DEFAULT_VOCAB = BYTE_VOCAB + 1
 
 
-class MoEModelConfig(BaseModel):
+class MoEModelConfig(StrictBlock):
     """Validated ``"moe_model"`` block.
 
     ``precision`` is the dtype of parameters and gradients on the GPU (mixed precision
@@ -25,7 +27,6 @@ class MoEModelConfig(BaseModel):
     ``"optimizer_and_params"`` is ZeRO-Infinity (stage 3 only).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_layers: PositiveInt
     d_model: PositiveInt

@@ -1,6 +1,6 @@
 """One entry point that starts torch.distributed / deepspeed.comm under every launcher we support.
 
-    from launch.dist_env import init_distributed
+    from sparse_scale.distenv import init_distributed
     ctx = init_distributed(backend="gloo", timeout_s=300)   # ctx.rank, ctx.world_size, ctx.local_rank, ctx.launcher
 
 Each launcher describes the job in its own environment variables. ``resolve_dist_env`` maps

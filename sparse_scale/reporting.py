@@ -1,4 +1,4 @@
-"""What the entry scripts (train_rec.py, train_moe_lm.py) share: wandb set-up and the summary table."""
+"""What the entry scripts share: wandb set-up and the summary table for people."""
 from __future__ import annotations
 
 import os
