@@ -18,13 +18,11 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from moe_proto.data import ByteCorpus  # noqa: E402
-from moe_proto.models import MoETransformerArgs, MoETransformerLM  # noqa: E402
+from moe_proto.data import ByteCorpus
+from moe_proto.models import MoETransformerArgs, MoETransformerLM
 
 VARIANTS = {  # name -> MoE overrides of the base args
     "dense": dict(num_experts=0),

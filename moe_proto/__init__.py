@@ -7,9 +7,9 @@ Example::
     out, l_aux, exp_counts = moe(x)
 
 The submodules' public API is re-exported here: expert parallelism (``parallel``),
-topology-free checkpoints (``checkpoint``), routing statistics (``stats``) and the
-reference LM (``models``). They are imported eagerly: ``layer`` already needs torch and
-DeepSpeed, and the four add about 20 ms to ``import moe_proto`` (``python -X importtime``).
+expert-aware gradient clipping (``clipping``), topology-free checkpoints (``checkpoint``),
+routing statistics (``stats``) and the reference LM (``models``). They are imported eagerly:
+``layer`` already needs torch and DeepSpeed, and the five add about 20 ms to ``import moe_proto`` (``python -X importtime``).
 """
 from .args import MoEArgs
 from .dispatch import DispatchPlan, permute, plan_dispatch, unpermute
@@ -20,9 +20,9 @@ from .routing import (RoutingRecord, RoutingStats, expert_capacity, multiplicati
 from .checkpoint import (expert_params, full_state_dict, iter_expert_files, load_checkpoint, load_full_state_dict,
                          relink_zero_optimizer_states, save_checkpoint)
 from .models import LMOutput, MoEModelConfig, MoETransformerArgs, MoETransformerLM
-from .parallel import (ExchangePlan, ExpertParallelMismatch, check_group_agreement, clip_grad_norm_,
-                       combine_from_experts, dispatch_to_experts, fix_engine_grad_clipping, global_grad_norm,
-                       plan_exchange)
+from .clipping import bind_expert_aware_clipping, clip_grad_norm_, global_grad_norm
+from .parallel import (ExchangePlan, ExpertParallelMismatch, check_group_agreement, combine_from_experts,
+                       dispatch_to_experts, plan_exchange)
 from .stats import LayerStats, MoEStatsLogger, collect_moe_stats, stats_events
 
 __all__ = [
@@ -50,9 +50,10 @@ __all__ = [
     "plan_exchange",
     "dispatch_to_experts",
     "combine_from_experts",
+    # clipping
     "global_grad_norm",
     "clip_grad_norm_",
-    "fix_engine_grad_clipping",
+    "bind_expert_aware_clipping",
     # checkpoint
     "save_checkpoint",
     "load_checkpoint",

@@ -13,9 +13,9 @@ This module writes its own topology-free checkpoint instead, one directory per t
                                                    rows [a, b) of every stacked expert tensor + moments
 
 Every tensor is the full fp32 value (under ZeRO 1/2 assembled from each rank's flat
-partition through the parameter's ``_hp_mapping`` addresses, like DeepSpeed's
-``safe_get_full_*`` API but reading the optimizer state directly; without ZeRO from
-the optimizer), so loading at another
+partition through the parameter's ``_hp_mapping`` addresses by
+:mod:`sparse_scale.base.zero_state`, like DeepSpeed's ``safe_get_full_*`` API but reading
+the optimizer state directly; without ZeRO from the optimizer), so loading at another
 ``ep_size`` (or ZeRO stage, or world size) just slices the rows of the experts a rank
 holds. Supported optimizers: Adam/AdamW (``exp_avg``, ``exp_avg_sq``, ``step`` per param group).
 The param groups' scheduled hyperparameters (``lr``, ``betas``, ``momentum``) are saved too:
@@ -39,6 +39,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from sparse_scale.base.zero_state import (base_optimizer, is_partitioned, read_full_param,
+                                         relink_zero_optimizer_states, write_param_fragment, zero_stage)
 
 from .layer import MoE
 
@@ -105,34 +108,6 @@ def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
             value = torch.cat(parts)
         out[name] = value.clone()
     return out
-
-
-def relink_zero_optimizer_states(engine: Any) -> bool:
-    """Re-link ZeRO 1/2's per-parameter views of the optimizer state once every param group has state.
-
-    DeepSpeed 0.19.8 links them (``_lazy_init_hp_params_optimizer_state``) right after the
-    *first* param group's step, before a later group (the experts' ``moe: True`` group) has
-    any state, and never again: those parameters' views stay empty, so
-    ``deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg")`` raises ``KeyError`` for
-    them. :func:`save_checkpoint` and :func:`load_checkpoint` call this; a training loop
-    that reads optimizer state through DeepSpeed's API can call it after the first step.
-    Returns whether the views are linked (False without ZeRO 1/2, or before the first step).
-
-    Example::
-
-        engine.step(); relink_zero_optimizer_states(engine)
-        safe_get_full_optimizer_state(model.moe.experts.w1, "exp_avg")   # now a tensor
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    if not _is_zero(engine) or not hasattr(optimizer, "_hp_optimizer_states_linked"):
-        return False
-    state = optimizer.optimizer.state
-    ready = all(len(state.get(flat, {})) > 0 for flat in optimizer.single_partition_of_fp32_groups)
-    # Unlinked, DeepSpeed links again after the next step; linking empty state now would stick.
-    optimizer._hp_optimizer_states_linked = False
-    if ready:
-        optimizer._lazy_init_hp_params_optimizer_state()
-    return ready
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
@@ -250,18 +225,9 @@ def _is_expert_writer(owners: Dict[str, MoE]) -> bool:
     return groups._get_expert_data_parallel_rank(group_name) == 0
 
 
-def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
-    opt = engine.optimizer
-    return opt.optimizer if _is_zero(engine) else opt
-
-
-def _is_zero(engine: Any) -> bool:
-    return engine.zero_optimization_stage() in (1, 2)
-
-
 def _param_group_states(engine: Any) -> List[Dict[str, Any]]:
     """Per param group of the (inner) optimizer: its Adam ``step`` and the :data:`SCHEDULED_KEYS` it has."""
-    base = _base_optimizer(engine)
+    base = base_optimizer(engine)
     out: List[Dict[str, Any]] = []
     for group in base.param_groups:
         steps = [base.state[p]["step"] for p in group["params"] if "step" in base.state.get(p, {})]
@@ -273,7 +239,7 @@ def _param_group_states(engine: Any) -> List[Dict[str, Any]]:
 
 def _saved_group_steps(engine: Any, meta: Dict[str, Any]) -> List[float]:
     """The Adam step for each of ``engine``'s param groups (one shared step if the group count changed)."""
-    count = len(_base_optimizer(engine).param_groups)
+    count = len(base_optimizer(engine).param_groups)
     saved = meta.get("param_groups")
     if saved is not None and len(saved) == count:
         return [float(g["step"]) for g in saved]
@@ -282,7 +248,7 @@ def _saved_group_steps(engine: Any, meta: Dict[str, Any]) -> List[float]:
 
 def _restore_group_hyperparameters(engine: Any, meta: Dict[str, Any], path: str) -> None:
     """Set the param groups' :data:`SCHEDULED_KEYS` to the saved values (by group index)."""
-    groups = _base_optimizer(engine).param_groups
+    groups = base_optimizer(engine).param_groups
     saved = meta.get("param_groups")
     if saved is None:
         logger.warning("%s predates saved param-group hyperparameters: the lr stays at its initial value "
@@ -301,14 +267,14 @@ def _restore_group_hyperparameters(engine: Any, meta: Dict[str, Any], path: str)
 
 
 def _read_param_state(engine: Any, param: nn.Parameter) -> Dict[str, Tensor]:
-    if engine.zero_optimization_stage() > 2:
+    if zero_stage(engine) > 2:
         raise NotImplementedError("moe_proto checkpoints support ZeRO stages 0-2 (MoE is refused under stage 3)")
-    if _is_zero(engine):
-        entry = {"param": _zero_full(engine, param, None)}
+    if is_partitioned(engine):
+        entry = {"param": read_full_param(engine, param)}
         for key in OPTIM_KEYS:
-            entry[key] = _zero_full(engine, param, key)
+            entry[key] = read_full_param(engine, param, key)
         return entry
-    state = _base_optimizer(engine).state.get(param, {})
+    state = base_optimizer(engine).state.get(param, {})
     entry = {"param": param.detach().float().cpu().clone()}
     for key in OPTIM_KEYS:
         entry[key] = state[key].detach().cpu().clone() if key in state else torch.zeros_like(entry["param"])
@@ -320,7 +286,7 @@ def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
 
     Under ZeRO 1/2 the inner optimizer's group ``i`` holds exactly the flat fp32 partition ``i``.
     """
-    base = _base_optimizer(engine)
+    base = base_optimizer(engine)
     for group, step in zip(base.param_groups, group_steps):
         # torch's Adam keeps ``step`` on the CPU unless capturable/fused.
         on_param = bool(group.get("capturable") or group.get("fused"))
@@ -332,38 +298,6 @@ def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_param else "cpu")
 
 
-def _zero_hp_source(engine: Any, param: nn.Parameter, key: Optional[str]) -> Optional[Tensor]:
-    """This rank's flat fp32 partition (key None) or its Adam state tensor, holding part of ``param``."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None:
-        return None
-    flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
-    if key is None:
-        return flat
-    # Read the optimizer state itself: ZeRO's optim_fragment views are linked lazily and can be stale.
-    return engine.optimizer.optimizer.state.get(flat, {}).get(key)
-
-
-def _zero_full(engine: Any, param: nn.Parameter, key: Optional[str]) -> Tensor:
-    """Full fp32 value / Adam state of a ZeRO-1/2 partitioned parameter (all-reduce over its DP group)."""
-    buf = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-    source = _zero_hp_source(engine, param, key)
-    if source is not None:
-        lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
-        buf.narrow(0, lp.start, lp.numel).copy_(source.narrow(0, hp.start, hp.numel))
-    dist.all_reduce(buf, group=param._dp_group)
-    return buf.view(param.shape).cpu()
-
-
-def _zero_set(engine: Any, param: nn.Parameter, value: Tensor, key: Optional[str]) -> None:
-    target = _zero_hp_source(engine, param, key)
-    if target is None:
-        return
-    lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
-    with torch.no_grad():
-        target.narrow(0, hp.start, hp.numel).copy_(value.to(target.device).flatten().narrow(0, lp.start, lp.numel))
-
-
 def _write_param_state(engine: Any, param: nn.Parameter, entry: Dict[str, Tensor]) -> None:
     value = entry["param"].to(param.device)
     if tuple(value.shape) != tuple(param.shape):
@@ -371,12 +305,12 @@ def _write_param_state(engine: Any, param: nn.Parameter, entry: Dict[str, Tensor
                          f"{tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(value.to(param.dtype))
-    if _is_zero(engine):
-        _zero_set(engine, param, value.float(), None)
+    if is_partitioned(engine):
+        write_param_fragment(engine, param, value.float())
         for key in OPTIM_KEYS:
-            _zero_set(engine, param, entry[key].float(), key)
+            write_param_fragment(engine, param, entry[key].float(), key)
         return
-    state = _base_optimizer(engine).state[param]
+    state = base_optimizer(engine).state[param]
     for key in OPTIM_KEYS:
         state[key].copy_(entry[key].to(state[key].device))
 

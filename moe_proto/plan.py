@@ -1,6 +1,9 @@
 """Plan a (trillion-parameter) MoE LM config onto GPUs before renting them: counts, memory, traffic.
 
-    python -m moe_proto.plan ds_configs/m6t_1t.json --gpus 480 --gpu-mem 32
+    sparse-plan ds_configs/m6t_1t.json --gpus 480 --gpu-mem 32      # or: python -m sparse_scale.lm.plan ...
+
+(The command line and the config-file reading live in the job layer, :mod:`sparse_scale.lm.plan`;
+this module plans validated blocks.)
 
 The model is built on the meta device (shapes only, no memory), so parameter counts are
 those of the real :class:`~moe_proto.models.MoETransformerLM`. Per GPU, with ``W`` GPUs,
@@ -37,19 +40,18 @@ communication buckets, pipeline or tensor parallelism (not used by these configs
 
 Example::
 
-    plan = plan_config("ds_configs/m6t_1t.json", gpus=480, gpu_mem_gb=32)
+    plan = plan_blocks(ds, model_cfg, moe_cfg, gpus=480, gpu_mem_gb=32)   # blocks of ds_configs/m6t_1t.json
     plan.base.fits, plan.counts.total
     print(format_plan(plan))
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -266,7 +268,7 @@ def plan_memory(counts: ParamCounts, args: MoETransformerArgs, choices: Choices,
     return MemoryPlan(choices, params, grads, optimizer, act, reserve_gb * GB, cpu, gpu_mem_gb * GB, tuple(notes))
 
 
-def _ds_choices(ds: Dict[str, Any], model_cfg: MoEModelConfig) -> Tuple[Choices, List[str]]:
+def _ds_choices(ds: Mapping[str, Any], model_cfg: MoEModelConfig) -> Tuple[Choices, List[str]]:
     """The config's choices; notes where the DeepSpeed part says something else."""
     zero = ds.get("zero_optimization", {}) or {}
     stage = int(zero.get("stage", 0))
@@ -284,28 +286,26 @@ def _ds_choices(ds: Dict[str, Any], model_cfg: MoEModelConfig) -> Tuple[Choices,
                    model_cfg.activation_checkpointing), notes
 
 
-def plan_config(path: str, gpus: int, gpu_mem_gb: float, reserve_gb: float = DEFAULT_RESERVE_GB) -> Plan:
-    """Plan the config file at ``path`` on ``gpus`` GPUs of ``gpu_mem_gb`` GB each.
+def plan_blocks(ds: Mapping[str, Any], model_cfg: MoEModelConfig, moe_cfg: Optional[Any], gpus: int,
+                gpu_mem_gb: float, reserve_gb: float = DEFAULT_RESERVE_GB, source: str = "<config>") -> Plan:
+    """Plan a config's validated blocks on ``gpus`` GPUs of ``gpu_mem_gb`` GB each.
+
+    ``ds`` is the DeepSpeed part, ``model_cfg`` the ``moe_model`` block, ``moe_cfg`` the
+    ``moe_proto`` block (None: dense); ``source`` names the config in the plan and errors.
+    Reading a config file is the job layer's (``sparse_scale.lm.plan.plan_config``).
 
     Example::
 
-        plan = plan_config("ds_configs/m6t_1t.json", gpus=480, gpu_mem_gb=32)
+        plan = plan_blocks(job.ds, job.blocks["moe_model"], job.blocks.get("moe_proto"), gpus=480, gpu_mem_gb=32)
     """
-    from sparse_scale.config import ConfigError, load_config
-
-    job = load_config(path)
-    model_cfg = job.blocks.get("moe_model")
-    if model_cfg is None:
-        raise ConfigError(f"{path}: no 'moe_model' block to plan")
-    moe_cfg = job.blocks.get("moe_proto")
     args = MoETransformerArgs.from_configs(model_cfg, moe_cfg)
     ep_size = moe_cfg.ep_size if moe_cfg is not None else 1
     if gpus % ep_size:
-        raise ConfigError(f"{path}: ep_size={ep_size} does not divide --gpus {gpus}")
-    micro_batch = int(job.ds.get("train_micro_batch_size_per_gpu", 1))
-    grad_accum = int(job.ds.get("gradient_accumulation_steps", 1))
+        raise ValueError(f"{source}: ep_size={ep_size} does not divide --gpus {gpus}")
+    micro_batch = int(ds.get("train_micro_batch_size_per_gpu", 1))
+    grad_accum = int(ds.get("gradient_accumulation_steps", 1))
     counts = count_parameters(build_meta_model(args))
-    base_choices, notes = _ds_choices(job.ds, model_cfg)
+    base_choices, notes = _ds_choices(ds, model_cfg)
     base = plan_memory(counts, args, base_choices, gpus, ep_size, micro_batch, gpu_mem_gb, reserve_gb)
     alternatives = []
     precisions = [base_choices.precision] + [x for x in ("fp32",) if x != base_choices.precision]
@@ -316,7 +316,7 @@ def plan_config(path: str, gpus: int, gpu_mem_gb: float, reserve_gb: float = DEF
     alternatives.sort(key=lambda m: (m.choices.precision != base_choices.precision, m.total))
     a2a = alltoall_bytes(args, micro_batch, grad_accum, PRECISION_BYTES[base_choices.precision], ep_size,
                          base_choices.activation_checkpointing)
-    return Plan(str(path), args, gpus, gpu_mem_gb, micro_batch, grad_accum, counts,
+    return Plan(str(source), args, gpus, gpu_mem_gb, micro_batch, grad_accum, counts,
                 counts.dense + counts.expert / ep_size, counts.expert / ep_size, a2a, base, alternatives,
                 tuple(notes))
 
@@ -367,18 +367,5 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_proto.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="DeepSpeed JSON with moe_model and moe_proto blocks")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB")
-    parser.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
-                        help="per-GPU memory kept for CUDA context, NCCL and fragmentation")
-    ns = parser.parse_args(argv)
-    plan = plan_config(ns.config, ns.gpus, ns.gpu_mem, ns.reserve_gb)
-    print(format_plan(plan))
-    return 0 if plan.base.fits else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the old `python -m moe_proto.plan`: say where the command line went
+    raise SystemExit("the planner's command line is `sparse-plan` (or `python -m sparse_scale.lm.plan`)")

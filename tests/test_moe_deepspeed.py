@@ -18,7 +18,7 @@ from torch import nn
 
 from moe_proto import MoE
 from moe_proto.checkpoint import full_state_dict, load_full_state_dict
-from moe_proto.parallel import fix_engine_grad_clipping, global_grad_norm
+from moe_proto.clipping import bind_expert_aware_clipping, global_grad_norm
 from moe_proto.stats import MoEStatsLogger, collect_moe_stats, stats_events
 from sparse_scale.multiproc import run_distributed
 
@@ -90,7 +90,7 @@ def train(rank, stage, ep_size, stats_dir=None):
         extra = {"csv_monitor": {"enabled": True, "output_path": stats_dir, "job_name": "moe"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                       config=ds_config(stage, extra))
-    fix_engine_grad_clipping(engine)
+    assert bind_expert_aware_clipping(engine) == (stage == 0)  # ZeRO 1/2 clip correctly themselves
     stats_logger = MoEStatsLogger(engine, interval=2) if stats_dir else None
     losses, norms, ds_norms, ours_prestep, stats = [], [], [], [], []
     for step in range(STEPS):

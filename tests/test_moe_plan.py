@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from moe_proto.models import MoETransformerArgs
-from moe_proto.plan import Choices, build_meta_model, count_parameters, format_plan, main, plan_config
+from moe_proto.plan import Choices, build_meta_model, count_parameters, format_plan, plan_blocks
+from sparse_scale.config import ConfigError, load_config
+from sparse_scale.lm.plan import main, plan_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +75,18 @@ def test_10b_and_100b_configs_validate_and_plan(name, gpus, mem, capsys):
     assert plan.base.fits
     assert main([str(ROOT / "ds_configs" / name), "--gpus", str(gpus), "--gpu-mem", str(mem)]) == 0
     assert "parameters: total" in capsys.readouterr().out
+
+
+def test_plan_blocks_is_plan_config_without_the_file():
+    path = str(ROOT / "ds_configs" / "m6t_10b.json")
+    job = load_config(path)
+    blocks = plan_blocks(job.ds, job.blocks["moe_model"], job.blocks.get("moe_proto"), gpus=8, gpu_mem_gb=32,
+                         source=path)
+    assert blocks == plan_config(path, gpus=8, gpu_mem_gb=32)
+    with pytest.raises(ValueError, match="does not divide"):
+        plan_blocks(job.ds, job.blocks["moe_model"], job.blocks["moe_proto"], gpus=7, gpu_mem_gb=32)
+    with pytest.raises(ConfigError, match="does not divide --gpus 7"):
+        plan_config(path, gpus=7, gpu_mem_gb=32)
 
 
 def test_zero_stages_partition_what_they_should():
