@@ -16,8 +16,8 @@ from typing import Any
 _EXPORTS = {
     "GBAConfig": "config",
     "GBAEngine": "engine",
-    "initialize": "engine",
-    "rejoin": "engine",
+    "initialize": "entry",
+    "rejoin": "entry",
     "ServerEmbeddingBagCollection": "tables",
     "Observer": "observe",
     "StragglerDetector": "straggler",
@@ -31,6 +31,7 @@ _EXPORTS = {
     "grads_per_update": "tokens",
     "DenseSharding": "ps",
     "EmbeddingSpec": "ps",
+    "ServerTableSpec": "ps",
     "Layout": "ps",
     "OptimizerSpec": "ps",
     "PSClient": "ps",

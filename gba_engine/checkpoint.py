@@ -7,7 +7,9 @@ out the same tokens and takes the same next update as the one that wrote it.
 Layout inside a checkpoint folder ``DIR/TAG``::
 
     gba_server_0_of_2.pt, gba_server_1_of_2.pt      (this module)
-    gba_meta.json                                   (engine.py: mode, where the truth lives)
+    gba_worker_state.pt                             (sync: the workers' full state, written by the first worker)
+    gba_meta.json                                   (mode, where the truth lives, version, tables)
+    client_state.pt                                 (the caller's client_state)
 
 Example::
 
@@ -17,10 +19,11 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -69,3 +72,59 @@ def _read(folder: str | os.PathLike, server: int, num_servers: int) -> tuple:
                                 f"a checkpoint restores with the num_servers it was written with")
     raw = torch.load(path, weights_only=True)
     return raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]), dict(raw.get("tables", {}))
+
+
+def save_worker_state(state: TrainState, folder: str | os.PathLike) -> None:
+    """The workers' full state (the sync truth) as ``gba_worker_state.pt`` in ``folder`` (created).
+
+    Example::
+
+        save_worker_state(state_from_deepspeed(ds_engine, spec, version), "ckpt/global_step10")
+    """
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch.save({"params": state.params, "moments": state.moments, "step": state.step, "version": state.version},
+               Path(folder) / "gba_worker_state.pt")
+
+
+def load_worker_state(folder: str | os.PathLike) -> TrainState:
+    """Read :func:`save_worker_state`'s file."""
+    raw = torch.load(Path(folder) / "gba_worker_state.pt", weights_only=True)
+    return TrainState(raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]))
+
+
+def save_meta(save_dir: str | os.PathLike, tag: str, *, truth: str, mode: str, version: int, num_servers: int,
+              tables: Sequence[str], client_state: Mapping[str, Any] | None) -> None:
+    """Write ``gba_meta.json`` and ``client_state.pt`` into ``save_dir/tag``, then point ``save_dir/latest`` at it.
+
+    Example::
+
+        save_meta("ckpt", "global_step10", truth="servers", mode="gba", version=10, num_servers=1, tables=[],
+                  client_state={"epoch": 1})
+    """
+    folder = Path(save_dir) / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "gba_meta.json").write_text(json.dumps({"truth": truth, "mode": mode, "version": version,
+                                                      "num_servers": num_servers, "tables": list(tables)}))
+    torch.save(client_state or {}, folder / "client_state.pt")
+    (Path(save_dir) / "latest").write_text(tag)
+
+
+def find_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> tuple[Path | None, dict]:
+    """The folder of ``tag`` (default: ``latest``) and its meta; ``(None, {})`` when there is no latest.
+
+    Example::
+
+        folder, meta = find_checkpoint("ckpt", None)       # ckpt/global_step10, {"truth": "servers", ...}
+    """
+    latest = Path(load_dir) / "latest"
+    if tag is None:
+        if not latest.exists():
+            return None, {}
+        tag = latest.read_text().strip()
+    folder = Path(load_dir) / tag
+    return folder, json.loads((folder / "gba_meta.json").read_text())
+
+
+def load_client_state(folder: str | os.PathLike) -> dict:
+    """The ``client_state`` saved with the checkpoint."""
+    return torch.load(Path(folder) / "client_state.pt", weights_only=False)

@@ -27,15 +27,7 @@ from __future__ import annotations
 
 from torch.distributed import Store
 
-
-def counter_key(phase: int) -> str:
-    """The TCPStore counter of gba phase ``phase``."""
-    return f"gba/claims/{phase}"
-
-
-def base_key(phase: int) -> str:
-    """The first batch number of gba phase ``phase`` (what a restarted worker starts its claims from)."""
-    return f"gba/claims_base/{phase}"
+from .protocol import claims_base_key, claims_counter_key, decode_int, encode_int
 
 
 class BatchClaims:
@@ -62,17 +54,17 @@ class BatchClaims:
         """Start gba phase ``phase`` at batch ``base`` (the same on every worker)."""
         self.mode, self.base, self.phase = "gba", base, phase
         self.next_free = max(self.next_free, base)
-        self.store.set(base_key(phase), str(base))
+        self.store.set(claims_base_key(phase), encode_int(base))
 
     def join_gba(self, phase: int) -> None:
         """A restarted worker joins running gba phase ``phase`` at the base its peers published.
 
         Raises LookupError when no worker of the job has claimed batches in that phase yet.
         """
-        if not self.store.check([base_key(phase)]):
+        if not self.store.check([claims_base_key(phase)]):
             raise LookupError(f"gba phase {phase} has no claimed batches yet: the running job does not use "
                               "claim_batches, or has not started it")
-        self.enter_gba(phase, int(self.store.get(base_key(phase))))
+        self.enter_gba(phase, decode_int(self.store.get(claims_base_key(phase))))
 
     @property
     def taken(self) -> int:
@@ -80,7 +72,7 @@ class BatchClaims:
         if self.mode == "sync":
             return min(self.total, self.base + self._k * self.num_workers)
         # add 0 reads without blocking; the counter also counts the claims that found nothing left
-        return min(self.total, self.base + self.store.add(counter_key(self.phase), 0))
+        return min(self.total, self.base + self.store.add(claims_counter_key(self.phase), 0))
 
     def next(self) -> int | None:
         """The next batch number, or None when this phase has run out of batches."""
@@ -91,7 +83,7 @@ class BatchClaims:
             self._k += 1
             index = first + self.worker_index
         else:
-            index = self.base + self.store.add(counter_key(self.phase), 1) - 1
+            index = self.base + self.store.add(claims_counter_key(self.phase), 1) - 1
             if index >= self.total:
                 return None
         self.next_free = max(self.next_free, index + 1)

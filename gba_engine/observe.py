@@ -3,7 +3,7 @@
 Every worker keeps an :class:`Observer`; the first worker writes the events to DeepSpeed's
 monitor (``engine.monitor.write_events``: wandb, tensorboard, csv as configured) and
 builds the console summary from what the servers and the other workers publish on the
-TCPStore (``gba/stats/<server>``, ``gba/rate/<rank>``).
+TCPStore (``gba_engine.protocol``: ``stats_key``, ``rate_key``); the event names are the protocol's too.
 
 Example::
 
@@ -17,6 +17,9 @@ import collections
 import dataclasses
 import logging
 from typing import Any, Mapping, Sequence
+
+from .protocol import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTES_EVENT, SWITCH_SECONDS_EVENT,
+                       samples_per_s_event, staleness_event)
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,8 @@ class Observer:
         if self.rank == 0:
             logger.warning("gba: switched %s -> %s at step %d in %.3fs moving %.2f MB (%s)", src, dst, step, seconds,
                            nbytes / 1e6, reason)
-        self._write([("gba/mode_is_gba", 1.0 if dst == "gba" else 0.0, self.x), ("gba/switch_seconds", seconds, self.x),
-                     ("gba/switch_mbytes", nbytes / 1e6, self.x)])
+        self._write([(MODE_IS_GBA_EVENT, 1.0 if dst == "gba" else 0.0, self.x), (SWITCH_SECONDS_EVENT, seconds, self.x),
+                     (SWITCH_MBYTES_EVENT, nbytes / 1e6, self.x)])
 
     def summary(self, server_stats: Sequence[Mapping[str, Any]] = (), rates: Mapping[int, float] | None = None) -> dict:
         """The console summary dict (also written to the monitor on the first worker)."""
@@ -112,8 +115,8 @@ class Observer:
             "samples_per_s": {int(k): float(v) for k, v in (rates or {self.rank: self.samples_per_s}).items()},
         }
         at = self.x
-        events = [("gba/dropped", float(tallies["dropped"]), at), ("gba/decayed", float(tallies["decayed"]), at)]
-        events += [(f"gba/samples_per_s/worker{r}", v, at) for r, v in out["samples_per_s"].items()]
-        events += [(f"gba/staleness/{tau}", float(n), at) for tau, n in staleness.items()]
+        events = [(DROPPED_EVENT, float(tallies["dropped"]), at), (DECAYED_EVENT, float(tallies["decayed"]), at)]
+        events += [(samples_per_s_event(r), v, at) for r, v in out["samples_per_s"].items()]
+        events += [(staleness_event(tau), float(n), at) for tau, n in staleness.items()]
         self._write(events)
         return out

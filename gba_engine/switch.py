@@ -8,6 +8,8 @@ length, the optimizer's step count and the model version (global updates applied
 * :func:`state_from_deepspeed` reads it from a DeepSpeed engine; with ZeRO stage 1/2 each
   worker holds one partition of the fp32 master weights and moments, so the partitions
   are all-gathered over the data-parallel group first (a collective: every worker calls it).
+  DeepSpeed's ZeRO internals are read through :mod:`sparse_scale.base.zero_state` (shared
+  with ``moe_proto.checkpoint``).
 * :func:`state_into_deepspeed` writes it back (each ZeRO rank keeps its own partition).
 * :func:`state_from_server` / :func:`state_into_server` do the same for one parameter
   server shard; :func:`send_state` / :func:`recv_state` move a shard over the PS group with
@@ -29,6 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils import parameters_to_vector
+
+from sparse_scale.base.zero_state import (base_optimizer, bind_partition_state, flat_partitions, gather_flat,
+                                         partition_state, step_of, zero_stage)
 
 from .ps.optim import OptimizerSpec
 
@@ -88,59 +93,43 @@ class TrainState:
 
 
 # ----------------------------------------------------------------------------- DeepSpeed side
-def _zero_stage(ds_engine) -> int:
-    return int(ds_engine.zero_optimization_stage()) if ds_engine.zero_optimization() else 0
-
-
-def _step_of(state: dict) -> int:
-    s = state.get("step", 0)
-    return int(s.item()) if isinstance(s, Tensor) else int(s)
-
-
 def state_from_deepspeed(ds_engine, spec: OptimizerSpec, version: int) -> TrainState:
     """Full flat state of a DeepSpeed engine (ZeRO 0, 1, 2); a collective over its DP group under ZeRO."""
     names = moment_names(spec)
     params = [p for p in ds_engine.module.parameters()]
     flat = parameters_to_vector([p.detach().float() for p in params]).clone()
-    stage = _zero_stage(ds_engine)
+    stage = zero_stage(ds_engine)
     if stage == 0:
-        opt = ds_engine.optimizer
+        opt = base_optimizer(ds_engine)
         moments, step = {}, 0
         for name in names:
             parts = []
             for p in params:
                 st = opt.state.get(p, {})
                 parts.append(st[name].reshape(-1).float() if name in st else torch.zeros(p.numel()))
-                step = max(step, _step_of(st))
+                step = max(step, step_of(st))
             moments[name] = torch.cat(parts) if parts else torch.zeros(0)
         if not names:
-            step = max((_step_of(opt.state.get(p, {})) for p in params), default=0)
+            step = max((step_of(opt.state.get(p, {})) for p in params), default=0)
         return TrainState(flat, moments, step, version)
     if stage > 2:
         raise NotImplementedError("gba hand-over supports ZeRO stages 0, 1 and 2 (stage 3 partitions parameters)")
-    zopt = ds_engine.optimizer
-    inner = zopt.optimizer
     index = {id(p): i for i, p in enumerate(params)}
     offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
     moments = {name: torch.zeros(flat.numel()) for name in names}
     step = 0
-    for g, part in enumerate(zopt.single_partition_of_fp32_groups):
-        st = inner.state.get(part, {})
-        step = max(step, _step_of(st))
-        group = zopt.real_dp_process_group[g]
-        world = dist.get_world_size(group=group)
+    partitions = flat_partitions(ds_engine)
+    for part in partitions:
+        st = partition_state(ds_engine, part)
+        step = max(step, step_of(st))
         for name in names:
-            local = st[name].float().reshape(-1) if name in st else torch.zeros(part.numel())
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local.contiguous(), group=group)
-            full = torch.cat(gathered)
-            pos = 0  # the flat group is its params in order, padding only at the end (no round robin)
-            for p in zopt.bit16_groups[g]:
+            local = st[name].float().reshape(-1) if name in st else torch.zeros(part.flat.numel())
+            full = gather_flat(part, local)
+            for p, start, end in part.param_spans():
                 i = index[id(p)]
-                moments[name][offsets[i]:offsets[i + 1]] = full[pos:pos + p.numel()]
-                pos += p.numel()
+                moments[name][offsets[i]:offsets[i + 1]] = full[start:end]
     step_t = torch.tensor([step], dtype=torch.int64)
-    dist.all_reduce(step_t, op=dist.ReduceOp.MAX, group=zopt.real_dp_process_group[0])  # ranks with empty partitions
+    dist.all_reduce(step_t, op=dist.ReduceOp.MAX, group=partitions[0].group)  # ranks with empty partitions
     return TrainState(flat, moments, int(step_t.item()), version)
 
 
@@ -157,35 +146,31 @@ def state_into_deepspeed(ds_engine, state: TrainState, spec: OptimizerSpec) -> N
     offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist()
     if offsets[-1] != state.params.numel():
         raise ValueError(f"state has {state.params.numel()} elements, the model {offsets[-1]}")
-    stage = _zero_stage(ds_engine)
+    stage = zero_stage(ds_engine)
     with torch.no_grad():
         for i, p in enumerate(params):
             p.copy_(state.params[offsets[i]:offsets[i + 1]].view_as(p))
     if stage == 0:
-        opt = ds_engine.optimizer
+        opt = base_optimizer(ds_engine)
         for i, p in enumerate(params):
             if p.requires_grad:
                 opt.state[p] = _torch_state(spec, state.step, {k: v[offsets[i]:offsets[i + 1]].view_as(p).clone()
                                                                for k, v in state.moments.items()})
         return
-    zopt = ds_engine.optimizer
     index = {id(p): i for i, p in enumerate(params)}
-    for g, part in enumerate(zopt.single_partition_of_fp32_groups):
-        group = zopt.real_dp_process_group[g]
-        rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
-        size = part.numel()
-        full = {k: torch.zeros(size * world) for k in ["params", *state.moments]}
-        pos = 0
-        for p in zopt.bit16_groups[g]:
+    for part in flat_partitions(ds_engine):
+        size = part.flat.numel()
+        full = {k: torch.zeros(size * part.world_size) for k in ["params", *state.moments]}
+        for p, start, end in part.param_spans():
             i = index[id(p)]
-            full["params"][pos:pos + p.numel()] = state.params[offsets[i]:offsets[i + 1]]
+            full["params"][start:end] = state.params[offsets[i]:offsets[i + 1]]
             for k, v in state.moments.items():
-                full[k][pos:pos + p.numel()] = v[offsets[i]:offsets[i + 1]]
-            pos += p.numel()
-        mine = slice(rank * size, (rank + 1) * size)
+                full[k][start:end] = v[offsets[i]:offsets[i + 1]]
+        mine = part.own_range()
         with torch.no_grad():
-            part.copy_(full["params"][mine])
-        zopt.optimizer.state[part] = _torch_state(spec, state.step, {k: full[k][mine] for k in state.moments})
+            part.flat.copy_(full["params"][mine])
+        own = _torch_state(spec, state.step, {k: full[k][mine] for k in state.moments})
+        bind_partition_state(ds_engine, part, own)
 
 
 # ----------------------------------------------------------------------------- server side

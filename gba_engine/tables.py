@@ -11,7 +11,7 @@ switch: only the dense part is handed over.
 
 Example::
 
-    tables = [EmbeddingSpec("user", 1_000_000, 16), EmbeddingSpec("item", 200_000, 16)]
+    tables = [ServerTableSpec("user", 1_000_000, 16), ServerTableSpec("item", 200_000, 16)]
     emb = ServerEmbeddingBagCollection(tables, mode="sum")
     model = nn.ModuleDict({"emb": emb, "mlp": mlp})        # any model that contains it
     engine = gba_engine.initialize(model=model, config="ds_configs/gba_cpu.json")
@@ -26,13 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ps.sharding import EmbeddingSpec
+from .ps.sharding import ServerTableSpec
 
 _MODES = ("sum", "mean", "max")
 
 
-class RowSource(Protocol):
-    """What a bound collection needs from its engine (``GBAEngine`` implements it)."""
+class ServerRowClient(Protocol):
+    """What a bound collection needs from its engine: the servers' rows and where their gradients go.
+
+    ``GBAEngine`` implements it (not picasso_ops' ``RowStore``, a worker-side store of rows).
+    """
 
     def fetch_rows(self, ids: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Current rows of unique ``ids`` per table, ``[len(ids), dim]``, detached."""
@@ -46,11 +49,11 @@ class ServerEmbeddingBagCollection(nn.Module):
 
     Example::
 
-        emb = ServerEmbeddingBagCollection([EmbeddingSpec("user", 10_000, 8)])
+        emb = ServerEmbeddingBagCollection([ServerTableSpec("user", 10_000, 8)])
         out = emb({"user": torch.tensor([1, 5, 5])}, {"user": torch.tensor([0, 2])})    # {"user": [2, 8]}
     """
 
-    def __init__(self, tables: Sequence[EmbeddingSpec], mode: str = "sum") -> None:
+    def __init__(self, tables: Sequence[ServerTableSpec], mode: str = "sum") -> None:
         super().__init__()
         names = [t.name for t in tables]
         if not names:
@@ -62,9 +65,9 @@ class ServerEmbeddingBagCollection(nn.Module):
         self.tables = tuple(tables)
         self.mode = mode
         self._dims = {t.name: t.dim for t in tables}
-        self._source: RowSource | None = None
+        self._source: ServerRowClient | None = None
 
-    def bind(self, source: RowSource) -> None:
+    def bind(self, source: ServerRowClient) -> None:
         """Attach the engine that serves the rows (``gba_engine.initialize`` does this)."""
         self._source = source
 
@@ -116,7 +119,7 @@ class ServerFieldEmbeddings(nn.Module):
                  prefix: str = "field", seed: int = 0) -> None:
         super().__init__()
         self.names = [f"{prefix}{f}" for f in range(len(vocab_sizes))]
-        specs = [EmbeddingSpec(n, int(v), dim, init_std=init_std, seed=seed * 100_003 + f)
+        specs = [ServerTableSpec(n, int(v), dim, init_std=init_std, seed=seed * 100_003 + f)
                  for f, (n, v) in enumerate(zip(self.names, vocab_sizes))]
         self.collection = ServerEmbeddingBagCollection(specs, mode=pooling)
 
@@ -132,7 +135,7 @@ class ServerFieldEmbeddings(nn.Module):
         return torch.stack([pooled[n] for n in self.names], dim=1)
 
 
-def server_tables(model: nn.Module) -> tuple[list[EmbeddingSpec], list[ServerEmbeddingBagCollection]]:
+def server_tables(model: nn.Module) -> tuple[list[ServerTableSpec], list[ServerEmbeddingBagCollection]]:
     """Every server table of ``model`` and the collections that hold them; names must be unique job-wide."""
     collections = [m for m in model.modules() if isinstance(m, ServerEmbeddingBagCollection)]
     specs = [t for c in collections for t in c.tables]

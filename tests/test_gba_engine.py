@@ -76,7 +76,7 @@ def _phase(rank, mode, steps, tmp, stage=0, slow=(), die_after=None, save=None, 
         engine(x)  # pulls the restored parameters
         out["restored_params"] = parameters_to_vector(engine.module.parameters()).detach().clone()
         out["restored_version"] = engine.version
-        engine._leave_gba("test: read the restored optimizer state back into DeepSpeed")
+        engine.switch_to_sync("test: read the restored optimizer state back into DeepSpeed")
         opt = engine.ds_engine.optimizer
         out["restored_moments"] = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in engine.module.parameters()])
         out["restored_step"] = int(opt.state[next(engine.module.parameters())]["step"])
@@ -225,22 +225,22 @@ def test_bad_config_is_a_clear_error_on_every_rank(launch):
     ("gba", {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}, {}, "cannot run on the parameter servers"),
 ])
 def test_bad_configs_are_clear_errors_before_any_collective(mode, ds, gba, match):
-    from gba_engine.engine import _check, _load
+    from gba_engine.startup import check_config, load_config
 
     cfg = {**_config(mode), **ds}
     cfg["gba"] = {**cfg["gba"], **gba}
-    ds_dict, block, source = _load(cfg)
+    ds_dict, block, source = load_config(cfg)
     with pytest.raises(ValueError, match=match):
-        _check(ds_dict, block, 3, source)
+        check_config(ds_dict, block, 3, source)
 
 
 def test_auto_without_servers_and_missing_optimizer_are_clear_errors():
-    from gba_engine.engine import _check, _load
+    from gba_engine.startup import check_config, load_config
     from sparse_scale.config import ConfigError
 
     with pytest.raises(ConfigError, match="num_servers"):
-        _load({**_config("auto"), "gba": {"mode": "auto", "num_servers": 0}})
+        load_config({**_config("auto"), "gba": {"mode": "auto", "num_servers": 0}})
     cfg = _config("gba")
     del cfg["optimizer"]
     with pytest.raises(ValueError, match="needs an \"optimizer\" block"):
-        _check(*_load(cfg)[:2], 3, "<dict>")
+        check_config(*load_config(cfg)[:2], 3, "<dict>")

@@ -21,7 +21,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.optim.adam import adam as torch_adam_kernel
 
 from gba_engine.config import GBAConfig
-from gba_engine.ps import (DenseSharding, EmbeddingSpec, Header, Kind, OptimizerSpec, ParameterServer, ProtocolError,
+from gba_engine.ps import (DenseSharding, ServerTableSpec, Header, Kind, OptimizerSpec, ParameterServer, ProtocolError,
                            PSClient, PSStalledError, RowRoute, init_runtime, layout)
 from gba_engine.ps import wire
 from gba_engine.ps.sharding import local_index
@@ -75,14 +75,14 @@ def test_row_route_splits_by_id_mod_s_and_restores_order():
 
 
 def test_embedding_spec_rows_and_id_checks():
-    spec = EmbeddingSpec("t", num_rows=10, dim=2)
+    spec = ServerTableSpec("t", num_rows=10, dim=2)
     assert [spec.local_rows(s, 3) for s in range(3)] == [4, 3, 3]
     with pytest.raises(IndexError, match=r"ids must be in \[0, 10\)"):
         spec.check_ids(torch.tensor([3, 10]))
     with pytest.raises(TypeError, match="int64"):
         spec.check_ids(torch.tensor([1], dtype=torch.int32))
     with pytest.raises(ValueError, match="num_rows and dim"):
-        EmbeddingSpec("t", 0, 2)
+        ServerTableSpec("t", 0, 2)
 
 
 def test_wire_header_and_payloads_round_trip():
@@ -108,7 +108,7 @@ def test_wire_header_and_payloads_round_trip():
     assert dense.tolist() == [0, 1, 2] and rows[0].shape == (2, 2) and rows[1].shape == (1, 3)
     with pytest.raises(ProtocolError, match="implies"):
         wire.unpack_floats(floats, 2, [2, 1], [2, 3])
-    specs = [EmbeddingSpec("a", 5, 2)]
+    specs = [ServerTableSpec("a", 5, 2)]
     assert wire.schema_id(3, specs) == wire.schema_id(3, specs) != wire.schema_id(4, specs)
 
 
@@ -164,8 +164,8 @@ def test_row_optimizer_is_lazy_for_absent_rows():
 
 
 # ====================================================================== shared model and data
-SMALL = EmbeddingSpec("small", num_rows=6, dim=3)  # every local batch holds all 6 ids
-BIG = EmbeddingSpec("big", num_rows=40, dim=4)  # a local batch holds a few of the 40 ids
+SMALL = ServerTableSpec("small", num_rows=6, dim=3)  # every local batch holds all 6 ids
+BIG = ServerTableSpec("big", num_rows=40, dim=4)  # a local batch holds a few of the 40 ids
 SPECS = (SMALL, BIG)
 LOCAL_BATCH = 8
 STEPS = 4
@@ -336,7 +336,7 @@ def _api_phase(rank: int) -> dict:
     cfg = _config(2)
     rt = init_runtime(cfg)
     out = {"layout": (rt.layout.workers, rt.layout.servers, rt.is_server, rt.worker_group is None)}
-    spec = EmbeddingSpec("t", num_rows=11, dim=2)
+    spec = ServerTableSpec("t", num_rows=11, dim=2)
     if rt.is_server:
         ps = ParameterServer(rt, cfg, 7, [spec], OptimizerSpec.of("sgd", lr=1.0))  # M = 2 workers
         out["stats"] = dataclasses.asdict(ps.serve(max_seconds=30))

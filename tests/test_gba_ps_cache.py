@@ -39,11 +39,11 @@ def _train(table) -> list[float]:
 
 def _job(rank: int, world_size: int) -> dict:
     from gba_engine import GBAConfig, OptimizerSpec, ParameterServer, PSClient, init_runtime
-    from gba_engine.ps import EmbeddingSpec
+    from gba_engine.ps import ServerTableSpec
     from picasso_ops.cache import CachedEmbeddingTable, TableRowStore
 
     cfg = GBAConfig(mode="gba", num_servers=2, timeout_s=15, heartbeat_s=0.2)
-    spec = EmbeddingSpec("user", ROWS, DIM)
+    spec = ServerTableSpec("user", ROWS, DIM)
     rt = init_runtime(cfg)
     if rt.is_server:  # a pure row store here: nothing is pushed, so no server optimizer runs
         ps = ParameterServer(rt, cfg, 0, [spec], OptimizerSpec.of("sgd", lr=0.0), table_init={"user": _table0()})

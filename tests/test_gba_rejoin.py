@@ -37,10 +37,10 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         from gba_engine import ServerEmbeddingBagCollection
-        from gba_engine.ps.sharding import EmbeddingSpec
+        from gba_engine.ps.sharding import ServerTableSpec
 
         torch.manual_seed(7)
-        self.emb = ServerEmbeddingBagCollection([EmbeddingSpec("item", ROWS, 4, init_std=0.3, seed=1)])
+        self.emb = ServerEmbeddingBagCollection([ServerTableSpec("item", ROWS, 4, init_std=0.3, seed=1)])
         self.mlp = nn.Sequential(nn.Linear(4 + 6, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def forward(self, x, ids, offsets):
@@ -86,7 +86,7 @@ def _wait_file(path: str, timeout_s: float) -> None:
 
 def _launch(rank: int, world_size: int, tmp: str, mode: str, dead: int) -> dict:
     import gba_engine
-    from gba_engine.ps.runtime import joinable_key
+    from gba_engine.protocol import joinable_key
 
     engine = gba_engine.initialize(model=Net(), config=_config(tmp, mode))
     if engine.is_server:

@@ -66,7 +66,7 @@ def _handover_phase(rank: int, stage: int) -> dict:
     """Workers: train, hand the state to the server and back into a fresh engine; server: import, serve, export."""
     import deepspeed
 
-    from gba_engine.engine import _WorkerMPU
+    from gba_engine.startup import WorkerMPU
     from gba_engine.ps import OptimizerSpec, ParameterServer, PSClient, init_runtime
     from gba_engine.switch import recv_state, send_state, state_from_deepspeed, state_from_server, \
         state_into_deepspeed, state_into_server, wait_sent
@@ -92,7 +92,7 @@ def _handover_phase(rank: int, stage: int) -> dict:
         return {"exact": back.equal(st), "ticks": len(ticks), "tick_versions": sorted(set(ticks)),
                 "version": stats.version}
     ds = dict(_DS, zero_optimization={"stage": stage})
-    mpu = _WorkerMPU(rt.worker_group, singles[rt.rank])
+    mpu = WorkerMPU(rt.worker_group, singles[rt.rank])
     eng, _, _, _ = deepspeed.initialize(model=_model(1), config=ds, mpu=mpu, model_parameters=None)
     for step in range(3):
         _ds_step(eng, step, rank)

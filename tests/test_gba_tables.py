@@ -25,9 +25,9 @@ SERVERS = 2
 
 
 def _specs():
-    from gba_engine.ps.sharding import EmbeddingSpec
+    from gba_engine.ps.sharding import ServerTableSpec
 
-    return [EmbeddingSpec(n, rows, dim, init_std=0.3, seed=seed) for n, rows, dim, seed in TABLES]
+    return [ServerTableSpec(n, rows, dim, init_std=0.3, seed=seed) for n, rows, dim, seed in TABLES]
 
 
 def _mlp() -> nn.Module:
@@ -214,11 +214,11 @@ def test_unbound_collection_is_a_clear_error():
 
 
 def test_repeated_table_names_are_a_clear_error():
-    from gba_engine.ps.sharding import EmbeddingSpec
+    from gba_engine.ps.sharding import ServerTableSpec
     from gba_engine.tables import ServerEmbeddingBagCollection, server_tables
 
-    model = nn.ModuleList([ServerEmbeddingBagCollection([EmbeddingSpec("u", 5, 2)]),
-                           ServerEmbeddingBagCollection([EmbeddingSpec("u", 7, 2)])])
+    model = nn.ModuleList([ServerEmbeddingBagCollection([ServerTableSpec("u", 5, 2)]),
+                           ServerEmbeddingBagCollection([ServerTableSpec("u", 7, 2)])])
     with pytest.raises(ValueError, match=r"repeated: \['u'\]"):
         server_tables(model)
 
@@ -240,7 +240,7 @@ def test_row_optimizer_state_round_trips_and_refuses_a_wrong_shape():
 
 
 class _LocalRows:
-    """A RowSource over in-memory tables: checks the collection's pooling and gradients without servers."""
+    """A ServerRowClient over in-memory tables: checks the collection's pooling and gradients without servers."""
 
     def __init__(self, tables):
         self.tables, self.recorded = tables, []
@@ -278,3 +278,19 @@ def test_field_embeddings_pool_like_per_field_embedding_bags_and_return_row_grad
     (ref * weights).sum().backward()
     for table, ids, rows in source.recorded:  # per unique id: the dense gradient's rows
         torch.testing.assert_close(rows.grad, bags[int(table[1:])].weight.grad[ids])
+
+
+def test_server_field_embeddings_meet_picasso_field_embedding_contract():
+    """``FieldEmbeddingLookup`` is not runtime-checkable (every module has a forward): check its signature and shape."""
+    import inspect
+
+    from gba_engine.tables import ServerFieldEmbeddings
+    from picasso_ops.contracts import FieldEmbeddingLookup
+
+    contract = list(inspect.signature(FieldEmbeddingLookup.forward).parameters)
+    assert list(inspect.signature(ServerFieldEmbeddings.forward).parameters) == contract  # self, values, lengths
+    emb: FieldEmbeddingLookup = ServerFieldEmbeddings([4, 6], dim=5, pooling="sum", init_std=0.1)
+    emb.collection.bind(_LocalRows({s.name: s.initial_table(1) for s in emb.collection.tables}))
+    lengths = torch.tensor([[1, 2, 0], [2, 1, 1]])  # [F, B]
+    values = torch.tensor([0, 1, 3, 5, 0, 2, 4])
+    assert emb(values, lengths).shape == (3, 2, 5)  # [B, F, D]

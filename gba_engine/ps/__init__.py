@@ -3,7 +3,7 @@
 Example::
 
     rt = init_runtime(GBAConfig(num_servers=1))           # every rank, after init_process_group
-    specs = [EmbeddingSpec("user", 10_000, 16)]
+    specs = [ServerTableSpec("user", 10_000, 16)]
     if rt.is_server:
         ParameterServer(rt, cfg, n, specs, OptimizerSpec.of("sgd", lr=0.1)).serve(until_version=100)
     else:
@@ -14,15 +14,15 @@ Example::
     rt.close()
 """
 from .client import PSClient, PSStalledError, Pulled, Token
-from .optim import LazyAdagrad, LazyAdam, LazySGD, OptimizerSpec, RowOptimizer
+from .optim import LazyAdagrad, LazySGD, LazyTorchAdam, OptimizerSpec, RowOptimizer
 from .runtime import Layout, Liveness, PSConnectionError, PSRuntime, init_runtime, join_runtime, layout, read_layout
 from .server import ParameterServer, ServeStats, ShardState
-from .sharding import DenseSharding, EmbeddingSpec, RowRoute
+from .sharding import DenseSharding, EmbeddingSpec, RowRoute, ServerTableSpec
 from .wire import Header, Kind, ProtocolError
 
 __all__ = [
-    "DenseSharding", "EmbeddingSpec", "Header", "Kind", "LazyAdagrad", "LazyAdam", "LazySGD", "Layout",
+    "DenseSharding", "EmbeddingSpec", "Header", "Kind", "LazyAdagrad", "LazySGD", "LazyTorchAdam", "Layout",
     "Liveness", "OptimizerSpec", "PSClient", "PSConnectionError", "PSRuntime", "PSStalledError",
-    "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ShardState", "Token",
-    "init_runtime", "join_runtime", "layout", "read_layout",
+    "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ServerTableSpec",
+    "ShardState", "Token", "init_runtime", "join_runtime", "layout", "read_layout",
 ]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .runtime import Liveness, PSConnectionError, PSRuntime
-from .sharding import DenseSharding, EmbeddingSpec, RowRoute
+from .sharding import DenseSharding, ServerTableSpec, RowRoute
 from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_STALLED, Header, Kind, Outgoing, ProtocolError, pack_floats,
                    pack_ints, recv_message, schema_id, send_message, unpack_floats)
 
@@ -55,12 +55,12 @@ class PSClient:
 
     Example::
 
-        client = PSClient(rt, dense_numel=1000, embedding_specs=[EmbeddingSpec("user", 10_000, 16)])
+        client = PSClient(rt, dense_numel=1000, embedding_specs=[ServerTableSpec("user", 10_000, 16)])
         token = client.pull().token
         rows = client.get_rows("user", torch.tensor([3, 3, 9]))     # [3, 16], duplicates allowed
     """
 
-    def __init__(self, runtime: PSRuntime, dense_numel: int, embedding_specs: Sequence[EmbeddingSpec], *,
+    def __init__(self, runtime: PSRuntime, dense_numel: int, embedding_specs: Sequence[ServerTableSpec], *,
                  tables_only: bool = False) -> None:
         # tables_only: the servers serve a tables-only phase (sync mode): pushes carry no dense gradient
         if runtime.is_server:

@@ -24,7 +24,7 @@ Example::
 
     spec = OptimizerSpec.from_deepspeed({"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
     dense_opt = spec.build_dense([shard_param])          # torch.optim.AdamW
-    rows = spec.build_rows(initial_table_shard)          # LazyAdam owning the table
+    rows = spec.build_rows(initial_table_shard)          # LazyTorchAdam owning the table
     rows.step(local_ids, row_grads)
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ class OptimizerSpec:
         """A lazy row-wise optimizer that owns ``weight`` (a [rows, dim] table shard; copied)."""
         kwargs = {k: v for k, v in self.kwargs.items() if k not in _IMPLEMENTATION_ONLY}
         if self.type in ("adam", "adamw"):
-            return LazyAdam(weight, decoupled=self.type == "adamw", **kwargs)
+            return LazyTorchAdam(weight, decoupled=self.type == "adamw", **kwargs)
         if self.type == "sgd":
             return LazySGD(weight, **kwargs)
         return LazyAdagrad(weight, **kwargs)
@@ -196,8 +196,17 @@ class LazySGD(RowOptimizer):
         return {"momentum_buffer": self.buf, "started": self.started} if self.momentum else {}
 
 
-class LazyAdam(RowOptimizer):
-    """torch.optim.Adam / AdamW on the present rows, per-row moments, one step count per table."""
+class LazyTorchAdam(RowOptimizer):
+    """torch.optim.Adam / AdamW on the present rows, per-row moments, one step count per table.
+
+    The update is torch's own, term by term (``lerp`` of the first moment, ``sqrt(v) /
+    sqrt(1 - beta2**t) + eps``, step ``lr / (1 - beta1**t)``), plus torch's weight decay:
+    L2 into the gradient (Adam) or decoupled ``p *= 1 - lr * wd`` (AdamW, default wd 0.01),
+    and ``maximize``; so server tables follow DeepSpeed's ``torch_adam`` optimizer.
+    picasso_ops' ``LazyAdam`` (worker-side tables) has the same Adam core with the same
+    bias correction but no weight decay and no maximize, and rounds differently (its moments
+    by ``mul``/``add`` and ``sqrt(v / (1 - beta2**t))``): equal in exact arithmetic when wd = 0.
+    """
 
     def __init__(self, weight: Tensor, decoupled: bool, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False,

@@ -14,9 +14,9 @@ rest are workers. :func:`init_runtime` (called by every rank, right after
   with it; a separate client connection also gets its own timeouts without touching
   the ones c10d and DeepSpeed rely on.
 
-The store carries the doorbells (one queue per rank: a sender pushes ``rank:incarnation``
-after posting its gloo sends, the receiver pops with a deadline and only then posts the
-gloo recv), heartbeats (a counter per rank, bumped by a daemon thread; observers time the
+The store carries (keys and encodings: ``gba_engine.protocol``) the doorbells (one queue
+per rank: a sender pushes a ``DoorbellMessage`` after posting its gloo sends, the receiver
+pops with a deadline and only then posts the gloo recv), heartbeats (a counter per rank, bumped by a daemon thread; observers time the
 changes on their own clock, so hosts need no synchronised clocks), published versions
 and the close handshake.
 
@@ -47,12 +47,14 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from ..config import GBAConfig
+from ..protocol import (FLAG, DoorbellMessage, LayoutRecord, StoreAddress, closed_key, heartbeat_key, inbox_key,
+                        incarnation_key, joinable_key, layout_key, pair_prefix, store_address_key)
 
 logger = logging.getLogger(__name__)
 
@@ -124,39 +126,6 @@ def layout(world_size: int, num_servers: int) -> Layout:
     return Layout(world_size=world_size, num_servers=num_servers)
 
 
-def inbox_key(rank: int, incarnation: int = 0) -> str:
-    """The doorbell queue of ``rank`` (a worker restarted k times reads its own, ``incarnation`` k)."""
-    return f"gba/inbox/{rank}" if incarnation == 0 else f"gba/inbox/{rank}/{incarnation}"
-
-
-def incarnation_key(rank: int) -> str:
-    """The counter of restarts of worker ``rank`` (0: the process of the launch)."""
-    return f"gba/incarnation/{rank}"
-
-
-def joinable_key() -> str:
-    """Set (to the gba phase number) while the job accepts restarted workers: a gba phase it will not leave."""
-    return "gba/joinable"
-
-
-def _layout_key() -> str:
-    return "gba/layout"
-
-
-def heartbeat_key(rank: int) -> str:
-    """The heartbeat counter of ``rank``."""
-    return f"gba/hb/{rank}"
-
-
-def version_key(rank: int) -> str:
-    """Where server ``rank`` publishes its model version after each update."""
-    return f"gba/version/{rank}"
-
-
-def _closed_key(rank: int) -> str:
-    return f"gba/closed/{rank}"
-
-
 def _reachable_host(master_addr: str) -> str:
     """The address of this host that peers reaching ``master_addr`` can reach too."""
     try:
@@ -167,7 +136,7 @@ def _reachable_host(master_addr: str) -> str:
             s.connect((infos[0][4][0], 9))  # UDP connect sends nothing; it only picks the outgoing interface
             return s.getsockname()[0]
     except OSError as exc:
-        raise PSConnectionError(f"cannot find an address of this host that reaches MASTER_ADDR={master_addr}: {exc}") from exc
+        raise PSConnectionError(f"cannot find an address of this host that reaches the control host {master_addr}: {exc}") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,21 +156,13 @@ class Link:
         self.group.recv([tensor], self.peer, 0).wait()
 
 
-class Doorbell(NamedTuple):
-    """One popped doorbell: a message from ``src``, or a restarted worker asking to ``join``."""
-
-    src: int
-    incarnation: int
-    join: bool = False
-
-
 def _pair_group(store: TCPStore, host: str, worker: int, server: int, incarnation: int, is_worker: bool,
                 timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A two-rank gloo group (worker = rank 0, server = rank 1), rendezvous under its own store prefix."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_reachable_host(host))]
-    prefix = dist.PrefixStore(f"gba/pair/{worker}/{server}/{incarnation}/", store)
+    prefix = dist.PrefixStore(pair_prefix(worker, server, incarnation), store)
     return dist.ProcessGroupGloo(prefix, 0 if is_worker else 1, 2, opts)
 
 
@@ -294,9 +255,9 @@ class PSRuntime:
 
     def ring(self, dst: int) -> None:
         """Tell ``dst`` that a message from this rank is on its way (after its isends are posted)."""
-        self.store.queue_push(inbox_key(dst, self.link(dst).incarnation), f"{self.rank}:{self.incarnation}")
+        self.store.queue_push(inbox_key(dst, self.link(dst).incarnation), DoorbellMessage(self.rank, self.incarnation).encode())
 
-    def wait_doorbell(self, timeout_s: float) -> Doorbell | None:
+    def wait_doorbell(self, timeout_s: float) -> DoorbellMessage | None:
         """The next doorbell, or None after ``timeout_s`` (a harmless store timeout).
 
         Doorbells of a dead incarnation of a worker (rung before it died) are skipped: their
@@ -307,12 +268,10 @@ class PSRuntime:
             while True:
                 self.store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
                 try:
-                    raw = self.store.queue_pop(inbox_key(self.rank, self.incarnation), block=True).decode()
+                    raw = self.store.queue_pop(inbox_key(self.rank, self.incarnation), block=True)
                 except dist.DistStoreError:
                     return None
-                kind, _, rest = raw.rpartition("|")
-                src, _, inc = rest.partition(":")
-                bell = Doorbell(int(src), int(inc), join=kind == "join")
+                bell = DoorbellMessage.decode(raw)
                 if bell.join or bell.incarnation == self.link(bell.src).incarnation:
                     return bell
                 logger.debug("rank %d: skipped a doorbell of rank %d's dead incarnation %d", self.rank, bell.src,
@@ -340,7 +299,7 @@ class PSRuntime:
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=self.heartbeat_s + 1.0)
         try:
-            self.store.set(_closed_key(self.rank), "1")
+            self.store.set(closed_key(self.rank), FLAG)
         except Exception as exc:  # the store host is gone after a finished run: nothing left to tell
             logger.debug("rank %d could not mark itself closed: %s", self.rank, exc)
             return
@@ -351,7 +310,7 @@ class PSRuntime:
         live = Liveness(self, others)
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
-            pending = [r for r in others if not self.store.check([_closed_key(r)])]
+            pending = [r for r in others if not self.store.check([closed_key(r)])]
             if not pending or set(pending) <= live.poll():
                 return
             time.sleep(min(0.05, self.heartbeat_s))
@@ -359,13 +318,13 @@ class PSRuntime:
 
 
 def _publish_control_plane(store: TCPStore, host: str, port: int, lay: Layout, control_file: str | None) -> None:
-    store.set(_layout_key(), f"{lay.world_size}|{lay.num_servers}")
+    store.set(layout_key(), LayoutRecord(lay.world_size, lay.num_servers).encode())
     if control_file:
         path = os.path.abspath(control_file)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            f.write(f"{host}:{port}\n")
+            f.write(f"{StoreAddress(host, port).encode()}\n")
         os.replace(tmp, path)  # a restart script never reads half an address
 
 
@@ -374,16 +333,18 @@ def _connect(control_plane: str | os.PathLike, timeout_s: float) -> tuple[TCPSto
     text = str(control_plane)
     if os.path.exists(text):
         text = Path(text).read_text().strip()
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"control plane {str(control_plane)!r} is neither HOST:PORT nor a file holding it "
-                         "(gba.control_file of the running job)")
     try:
-        store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        world, _, servers = store.get(_layout_key()).decode().partition("|")
+        address = StoreAddress.decode(text)
+    except ValueError:
+        raise ValueError(f"control plane {str(control_plane)!r} is neither HOST:PORT nor a file holding it "
+                         "(gba.control_file of the running job)") from None
+    host, port = address.host, address.port
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        record = LayoutRecord.decode(store.get(layout_key()))
     except (RuntimeError, dist.DistStoreError) as exc:
         raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
-    return store, host, int(port), layout(int(world), int(servers))
+    return store, host, port, layout(record.world_size, record.num_servers)
 
 
 def read_layout(control_plane: str | os.PathLike, timeout_s: float = 10.0) -> Layout:
@@ -438,7 +399,7 @@ def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLik
     links = {}
     try:
         for s in lay.servers:
-            store.queue_push(inbox_key(s), f"join|{worker}:{incarnation}")
+            store.queue_push(inbox_key(s), DoorbellMessage(worker, incarnation, join=True).encode())
         for s in lay.servers:  # in server order; each server builds its side when it pops the join
             links[s] = Link(_pair_group(store, host, worker, s, incarnation, is_worker=True, timeout=timeout), 1)
     except RuntimeError as exc:
@@ -451,8 +412,11 @@ def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLik
                      incarnation=incarnation, _heartbeat=heartbeat, _links=links)
 
 
-def init_runtime(config: GBAConfig) -> PSRuntime:
+def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1") -> PSRuntime:
     """Create the PS groups and control plane; every rank of the launch must call it, in the same order.
+
+    ``control_host`` is the launch's master address (the launcher's ``MASTER_ADDR``): the
+    first server hosts the control plane on its address that peers reaching it can reach.
 
     Raises ValueError for a bad ``num_servers`` (on every rank, before any collective).
 
@@ -471,16 +435,16 @@ def init_runtime(config: GBAConfig) -> PSRuntime:
     if rank not in lay.workers:
         worker_group = None
     default_store = dist.distributed_c10d._get_default_store()
-    addr_key = f"gba/ps_store/{next(_GENERATION)}"
+    addr_key = store_address_key(next(_GENERATION))
     if rank == lay.servers[0]:
-        host = _reachable_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        host = _reachable_host(control_host)
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         port = store.port
         _publish_control_plane(store, host, port, lay, config.control_file)
-        default_store.set(addr_key, f"{host}:{port}")
+        default_store.set(addr_key, StoreAddress(host, port).encode())
     else:
-        host, _, port_text = default_store.get(addr_key).decode().rpartition(":")
-        port = int(port_text)
+        address = StoreAddress.decode(default_store.get(addr_key))
+        host, port = address.host, address.port
         store = TCPStore(host, port, is_master=False, timeout=timeout)
     heartbeat = _Heartbeat(host, port, rank, config.heartbeat_s, config.timeout_s)
     logger.info("rank %d is a PS %s; control plane at %s:%d", rank, lay.role(rank), host, port)

@@ -44,11 +44,12 @@ from torch import Tensor
 
 from ..config import GBAConfig
 from ..decay import StalenessDecay
+from ..protocol import decode_float, encode_float, encode_int, norm_key, version_key
 from ..tokens import GlobalBatchBuffer, TokenControl
 from .optim import OptimizerSpec, RowOptimizer
-from .runtime import Liveness, PSConnectionError, PSRuntime, version_key
+from .runtime import Liveness, PSConnectionError, PSRuntime
 from .schedule import ServerLRSchedule
-from .sharding import DenseSharding, EmbeddingSpec, local_index
+from .sharding import DenseSharding, ServerTableSpec, local_index
 from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_STALLED, Header, Kind, Outgoing, ProtocolError, pack_floats,
                    recv_message, schema_id, send_message, unpack_floats, unpack_ints)
 
@@ -112,7 +113,7 @@ class ParameterServer:
 
     Example::
 
-        ps = ParameterServer(rt, GBAConfig(), 1000, [EmbeddingSpec("user", 10_000, 16)],
+        ps = ParameterServer(rt, GBAConfig(), 1000, [ServerTableSpec("user", 10_000, 16)],
                              OptimizerSpec.of("adamw", lr=1e-3), grads_per_update=4)
         ps.serve(until_version=500)
     """
@@ -122,7 +123,7 @@ class ParameterServer:
         runtime: PSRuntime,
         config: GBAConfig,
         dense_numel: int,
-        embedding_specs: Sequence[EmbeddingSpec],
+        embedding_specs: Sequence[ServerTableSpec],
         optimizer_spec: OptimizerSpec,
         *,
         grads_per_update: int | None = None,
@@ -184,7 +185,7 @@ class ParameterServer:
         logger.info("PS %d (rank %d): dense [%d, %d), tables %s, M=%d", self.index, runtime.rank, start, end,
                     {s.name: s.local_rows(self.index, self.num_servers) for s in self.specs}, m)
 
-    def _initial_rows(self, spec: EmbeddingSpec, full: Tensor | None) -> Tensor:
+    def _initial_rows(self, spec: ServerTableSpec, full: Tensor | None) -> Tensor:
         if full is not None:
             if full.shape != (spec.num_rows, spec.dim):
                 raise ValueError(f"table_init[{spec.name!r}] must be [{spec.num_rows}, {spec.dim}], got {tuple(full.shape)}")
@@ -261,7 +262,7 @@ class ParameterServer:
         stats = self.control.stats
         self.control = TokenControl(self.control.m, self.control.decay, version=state.version)
         self.control.stats = stats  # the token history of this server survives a restore
-        self.rt.store.set(version_key(self.rt.rank), str(state.version))
+        self.rt.store.set(version_key(self.rt.rank), encode_int(state.version))
 
     def export_tables(self) -> dict[str, dict]:
         """Copies of every table shard with its row optimizer state and step count (for checkpoints).
@@ -496,23 +497,22 @@ class ParameterServer:
         for name, table in self._tables.items():
             table.step(batch.ids[name], batch.rows[name])
         version = self.control.commit()
-        self.rt.store.set(version_key(self.rt.rank), str(version))  # for monitors and the auto-mode switcher
+        self.rt.store.set(version_key(self.rt.rank), encode_int(version))  # for monitors and the auto-mode switcher
 
     def _clip(self, grad: Tensor) -> None:
         """Scale the global-batch dense gradient as DeepSpeed's clipping would: by max_norm / (norm + 1e-6) if < 1."""
         sumsq = float(grad.pow(2).sum())
         if self.num_servers > 1:  # the norm is over the whole vector: add every shard's share for this update
-            prefix = f"gba/norm/{self._phase_id}/{self.version}"
-            self.rt.store.set(f"{prefix}/{self.index}", repr(sumsq))
-            keys = [f"{prefix}/{s}" for s in range(self.num_servers)]
+            keys = [norm_key(self._phase_id, self.version, s) for s in range(self.num_servers)]
+            self.rt.store.set(keys[self.index], encode_float(sumsq))
             deadline = time.monotonic() + self.rt.timeout_s
             while not self.rt.store.check(keys):
                 if time.monotonic() > deadline:
-                    missing = [s for s in range(self.num_servers) if not self.rt.store.check([f"{prefix}/{s}"])]
+                    missing = [s for s in range(self.num_servers) if not self.rt.store.check([keys[s]])]
                     raise TimeoutError(f"PS {self.index}: servers {missing} did not report their gradient norm for "
                                        f"update {self.version} within {self.rt.timeout_s:.0f}s (gradient_clipping)")
                 time.sleep(0.002)
-            sumsq = sum(float(self.rt.store.get(k)) for k in keys)
+            sumsq = sum(decode_float(self.rt.store.get(k)) for k in keys)
         coef = self.clip_norm / (math.sqrt(sumsq) + 1e-6)
         if coef < 1.0:
             grad.mul_(coef)

@@ -27,12 +27,17 @@ from torch import Tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbeddingSpec:
-    """One embedding table held by the parameter servers.
+class ServerTableSpec:
+    """One embedding table held by the parameter servers, sharded by id (row ``id`` on server ``id % S``).
+
+    Not picasso_ops' ``TableSpec``: that one describes a table a worker holds (pooling,
+    sparse optimizer, dtype, fields); this one only what the servers need to own their
+    shards (rows, dim, and the seeded per-shard N(0, init_std) start). The servers' optimizer
+    is the job's (``OptimizerSpec``), not the table's.
 
     Example::
 
-        EmbeddingSpec("user_id", num_rows=1_000_000, dim=16, init_std=0.01)
+        ServerTableSpec("user_id", num_rows=1_000_000, dim=16, init_std=0.01)
     """
 
     name: str
@@ -66,7 +71,7 @@ class EmbeddingSpec:
 
         Example::
 
-            full = EmbeddingSpec("item", 10, 4).initial_table(num_servers=2)   # [10, 4]; row 3 from server 1
+            full = ServerTableSpec("item", 10, 4).initial_table(num_servers=2)   # [10, 4]; row 3 from server 1
         """
         full = torch.empty(self.num_rows, self.dim)
         for s in range(num_servers):
@@ -81,6 +86,9 @@ class EmbeddingSpec:
             raise IndexError(
                 f"table {self.name!r}: ids must be in [0, {self.num_rows}), got [{int(ids.min())}, {int(ids.max())}]"
             )
+
+
+EmbeddingSpec = ServerTableSpec  # the former name, kept for callers outside gba_engine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .sharding import EmbeddingSpec
+from .sharding import ServerTableSpec
 
 MAGIC = 0x6762615F7073  # "gba_ps": a header from anything else is a protocol error, not garbage data
 HEADER_LEN = 12
@@ -101,7 +101,7 @@ class Header:
                    num_samples=v[7], flags=v[8], n_ints=n_ints, n_floats=n_floats)
 
 
-def schema_id(dense_numel: int, specs: Sequence[EmbeddingSpec]) -> int:
+def schema_id(dense_numel: int, specs: Sequence[ServerTableSpec]) -> int:
     """A 32-bit fingerprint of the parameter layout; client and server must agree on it."""
     text = repr((dense_numel, [(s.name, s.num_rows, s.dim) for s in specs]))
     return zlib.crc32(text.encode())

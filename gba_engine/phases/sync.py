@@ -1,0 +1,126 @@
+"""The sync phase: DeepSpeed's all-reduce over the workers; the servers update only the server tables' rows.
+
+Each global batch, every worker pushes its rows' gradients (tables only, no dense part) and the
+servers apply all N at once, so the rows follow the same global batch as the dense model.
+
+Example::
+
+    phase = SyncPhase(ctx)
+    phase.open()                          # the servers start a tables-only phase (when there are tables)
+    loss = loss_fn(phase.forward(x), y); phase.backward(loss); phase.step()
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..protocol import Serve
+from ..ps import PSClient
+from ..switch import TrainState, state_into_deepspeed
+from .base import Phase
+
+
+class SyncPhase(Phase):
+    """DeepSpeed trains; the servers serve the rows of server tables, one update per global batch."""
+
+    name = "sync"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.token = None  # the rows' token of this step (taken by the first lookup)
+
+    def open(self) -> None:
+        """With server tables: the servers serve the rows (no dense part), one update per global batch."""
+        ctx = self.ctx
+        if not ctx.tables:
+            return
+        if ctx.is_first:
+            ctx.commands.send(Serve(m=ctx.num_workers, dense=False))  # acknowledged when the phase ends
+        self.client = PSClient(ctx.rt, ctx.dense_numel, ctx.tables, tables_only=True)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()  # the servers' phase ends once every worker said goodbye
+            self.client = None
+
+    def adopt(self, state: TrainState) -> None:
+        """Continue from ``state`` (the servers' hand-back, equal on every worker): DeepSpeed, clocks, claims; opens."""
+        ctx = self.ctx
+        state_into_deepspeed(ctx.ds_engine, state, ctx.spec)
+        position_scheduler(ctx.ds_engine, state.version)
+        for p in ctx.module.parameters():
+            p.grad = None
+        if ctx.claims is not None:  # the sync phase starts after every number anybody took in gba
+            free = torch.tensor([ctx.claims.next_free], dtype=torch.int64)
+            dist.all_reduce(free, op=dist.ReduceOp.MAX, group=ctx.rt.worker_group)
+            ctx.claims.enter_sync(int(free))
+        ctx.version, ctx.truth = state.version, "workers"
+        self.open()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ctx.ds_engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ctx.ds_engine.backward(loss)
+
+    def step(self) -> bool:
+        ctx = self.ctx
+        boundary = ctx.ds_engine.is_gradient_accumulation_boundary()
+        ctx.ds_engine.step()
+        if boundary:
+            self._push_rows()
+            ctx.version += 1
+        return boundary
+
+    def is_boundary(self) -> bool:
+        return self.ctx.ds_engine.is_gradient_accumulation_boundary()
+
+    def fetch_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Waits for the update of this worker's previous global batch, so every worker reads what sync would."""
+        ctx = self.ctx
+        if self.client is None:
+            raise RuntimeError("server tables need the parameter servers' client: none is open (after close()?)")
+        t0 = time.perf_counter()
+        got = self.client.pull(dict(ids), dense=False, min_version=ctx.version)
+        ctx.local_s -= time.perf_counter() - t0  # waiting on peers is not this worker's slowness
+        if self.token is None and ctx.module.training:
+            self.token = got.token
+        return got.rows
+
+    def table_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        if self.client is None:
+            raise RuntimeError("no parameter-server client is open: call table_rows during training, before close()")
+        # after this worker's last global batch
+        return self.client.pull({table: ids}, dense=False, min_version=self.ctx.version).rows[table]
+
+    def _push_rows(self) -> None:
+        """This worker's row gradients of the global batch (the servers apply all N at once)."""
+        ctx = self.ctx
+        if not ctx.tables:
+            return
+        if self.token is None:  # no lookup this step: the servers still count this worker's share of the batch
+            self.token = self.client.pull({}, dense=False, min_version=ctx.version).token
+        ids, rows = ctx.take_row_grads()
+        self.client.push(None, ids, rows, self.token, num_samples=ctx.local_samples)
+        self.token = None
+
+
+def position_scheduler(ds_engine, version: int) -> None:
+    """Set DeepSpeed's scheduler and step/sample clocks to update ``version`` (binds ``ds_engine``'s clocks).
+
+    DeepSpeed's next optimizer step is update ``version``: its scheduler must sit at iteration
+    ``version - 1``, and its step/sample clocks (checkpoint tags, the monitor's x-axis) must
+    count the servers' updates too.
+
+    Example::
+
+        position_scheduler(ds_engine, 40)      # ds_engine.global_steps == 40
+    """
+    sched = ds_engine.lr_scheduler
+    if sched is not None and version > 0:
+        sched.step(version - 1)
+    ds_engine.global_steps = version
+    ds_engine.global_samples = version * ds_engine.train_batch_size()

@@ -1,0 +1,139 @@
+"""What a GBA job checks and builds before its first step: the config, DeepSpeed's worker-only ``mpu``.
+
+Every config mistake is one clear ValueError raised on every rank before any collective.
+
+Example::
+
+    ds, gba, source = load_config("ds_configs/gba_cpu.json")
+    spec = check_config(ds, gba, world=4, source=source)      # the servers' OptimizerSpec
+    schedule = server_schedule(ds, spec)                     # None without a scheduler block
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from sparse_scale.config import parse_config, read_config_file
+
+from .config import GBAConfig
+from .ps import OptimizerSpec, layout
+from .ps.schedule import ServerLRSchedule
+
+
+class WorkerMPU:
+    """The minimal ``mpu`` DeepSpeed needs so that its data-parallel group is the workers only.
+
+    Example::
+
+        deepspeed.initialize(model=net, config=ds, mpu=WorkerMPU(rt.worker_group, own_group))
+    """
+
+    def __init__(self, group: dist.ProcessGroup, own: dist.ProcessGroup) -> None:
+        self.group = group
+        self.own = own  # a group of this rank alone: DeepSpeed's model-parallel reductions must not reach the servers
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.group
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(group=self.group)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(group=self.group)
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.own
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict, GBAConfig, str]:
+    """The DeepSpeed dict, its validated ``"gba"`` block (defaults when absent) and where it came from.
+
+    Example::
+
+        ds, gba, source = load_config({"optimizer": {...}, "gba": {"mode": "auto"}})    # source "<dict>"
+    """
+    if isinstance(config, Mapping):
+        job, source = parse_config(dict(config)), "<dict>"
+    else:
+        source = str(config)
+        job = parse_config(read_config_file(config), source=source)
+    return dict(job.ds), job.blocks.get("gba") or GBAConfig(), source
+
+
+def check_config(ds: dict, gba: GBAConfig, world: int | None, source: str) -> OptimizerSpec:
+    """Every config mistake as one clear ValueError; returns the servers' optimizer.
+
+    ``world=None`` (a restarted worker, before it knows the launch) skips the layout check.
+
+    Example::
+
+        spec = check_config(ds, gba, world=dist.get_world_size(), source="ds_configs/gba_cpu.json")
+    """
+    try:
+        if world is not None:
+            layout(world, gba.num_servers)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    if "optimizer" not in ds:
+        raise ValueError(f"{source}: gba needs an \"optimizer\" block: the servers run the same optimizer as DeepSpeed")
+    try:
+        spec = OptimizerSpec.from_deepspeed(ds["optimizer"])
+    except ValueError as exc:
+        raise ValueError(f"{source}: optimizer: {exc}") from None
+    if gba.mode != "sync" and "scheduler" in ds:
+        try:
+            server_schedule(ds, spec)
+        except ValueError as exc:
+            raise ValueError(f"{source}: scheduler: {exc}") from None
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    if gba.mode != "sync" and stage > 1:
+        raise ValueError(f"{source}: gba.mode={gba.mode!r} supports zero_optimization.stage 0 or 1, got {stage} "
+                         "(stage 2 reduces gradients inside backward, which gba mode must keep local)")
+    if gba.mode != "sync" and (ds.get("fp16", {}).get("enabled") or ds.get("bf16", {}).get("enabled")):
+        raise ValueError(f"{source}: gba.mode={gba.mode!r} needs fp32 training (the servers hold fp32 state)")
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ValueError(f"{source}: gradient_clipping must be a number >= 0 (0: off), got {clip!r}")
+    return spec
+
+
+def clip_norm(ds: dict) -> float:
+    """The max norm DeepSpeed clips the global-batch gradient to (its own default when the key is absent).
+
+    Example::
+
+        clip_norm({"gradient_clipping": 0.5})     # 0.5
+    """
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    return float(ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+
+
+def server_schedule(ds: dict, spec: OptimizerSpec) -> ServerLRSchedule | None:
+    """The servers' copy of the config's learning-rate schedule (None without a scheduler block).
+
+    Example::
+
+        server_schedule({"scheduler": {"type": "WarmupLR", "params": {...}}}, spec).lr(version=10)
+    """
+    if "scheduler" not in ds:
+        return None
+    return ServerLRSchedule(ds["scheduler"], base_lr=float(spec.kwargs.get("lr", 1e-3)))
+
+
+def batch_shape(ds: dict) -> tuple[int, int]:
+    """``(train_micro_batch_size_per_gpu, gradient_accumulation_steps)`` with DeepSpeed's defaults of 1.
+
+    Example::
+
+        batch_shape({"train_micro_batch_size_per_gpu": 8})     # (8, 1)
+    """
+    return int(ds.get("train_micro_batch_size_per_gpu", 1)), int(ds.get("gradient_accumulation_steps", 1))
