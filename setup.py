@@ -18,6 +18,13 @@ setup(
         "hjson",
         "pyarrow",
     ],
+    entry_points={
+        "console_scripts": [
+            "sparse-train-rec = sparse_scale.rec.cli:main",
+            "sparse-train-moe-lm = sparse_scale.lm.cli:main",
+            "sparse-plan = moe_proto.plan:main",
+        ],
+    },
     extras_require={
         "mpi": ["mpi4py", "mpich"],
         # NVIDIA apex is built from source (see README); PyPI's "apex" is an unrelated package.

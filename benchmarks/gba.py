@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 WORKERS, SERVERS = 4, 1
 METHODS = ("sync", "gba", "async", "ssp")

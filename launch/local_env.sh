@@ -12,5 +12,5 @@ export MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo
 # One BLAS/OpenMP thread pool per core share, instead of every rank using every core.
 CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}
-# Entry scripts import `launch.*` and the in-repo packages even without `pip install -e`.
+# The in-repo packages import even from a checkout without `pip install -e .` (no script edits the import path).
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"

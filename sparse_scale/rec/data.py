@@ -1,0 +1,268 @@
+"""The job's training and held-out streams: per-rank streams (synthetic, Criteo TSV, parquet) or claimed batches.
+
+Both kinds of training stream satisfy :class:`TrainStream`, so the training loop, the
+checkpoints and the monitor ask the stream instead of testing which kind it is.
+
+Example::
+
+    stream = train_stream(job, engine, Progress(), data_states=None)
+    for batch in stream: ...
+    stream.tag(progress)        # "step40" (per-rank streams) or "batch80" (claimed batches)
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Iterator, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from picasso_ops.data.batch import CTRBatch
+from picasso_ops.data.prefetch import Prefetcher
+from picasso_ops.data.row_range import RowRangeReader
+from picasso_ops.data.synthetic import SyntheticCTRGenerator, SyntheticCTRStream
+from sparse_scale.rec.checkpoint import Progress
+from sparse_scale.rec.config import RecJobError
+from sparse_scale.rec.engines import RecEngine
+from sparse_scale.rec.job import RecJob
+
+logger = logging.getLogger(__name__)
+notice = logging.getLogger("sparse_scale.rec.notice")  # one-line notes for people (the CLI prints them)
+
+
+class TrainStream(Protocol):
+    """What the loop, the checkpoints and the monitor need from a training stream."""
+
+    is_claimed: bool  # batches handed out by number (gba block): the job's total is shared, fast workers take more
+
+    def __iter__(self) -> Iterator[CTRBatch]: ...
+
+    def state(self) -> dict[str, int]:
+        """This stream's resume point."""
+
+    def step_samples(self, batch: CTRBatch | None, group: Any) -> int:
+        """Samples of this micro-step that count (over all ranks or, claimed, this worker's); 0: the data ended."""
+
+    def job_step(self, progress: Progress) -> int:
+        """The optimizer step of the job that ``--straggler`` windows are read against."""
+
+    def tag(self, progress: Progress) -> str:
+        """The checkpoint tag of the current position."""
+
+    def mark(self) -> Any:
+        """Where a step starts, for :meth:`save_due` (read only when periodic saves need it)."""
+
+    def save_due(self, every: int, progress: Progress, mark: Any) -> bool:
+        """Whether the step that began at ``mark`` ends a ``--save-every`` period."""
+
+    def resume_states(self, group: Any) -> list[dict[str, int]]:
+        """The data states a checkpoint records (a collective over ``group`` for per-rank streams)."""
+
+    def monitor_x(self, progress: Progress) -> int:
+        """The monitor's x-axis: the job's samples."""
+
+    def close(self) -> None:
+        """Stop reading ahead; :meth:`state` keeps the consumed position."""
+
+
+class RankStream:
+    """This rank's own stream (every rank reads its shard in lockstep), maybe read ahead by a :class:`Prefetcher`.
+
+    ``finite``: file streams can end at different rows on different ranks (and the last batch
+    may be short), so they pay one tiny all-reduce per micro-step; the synthetic stream never ends.
+    """
+
+    is_claimed = False
+
+    def __init__(self, source: Iterable[CTRBatch], micro_batch: int, finite: bool) -> None:
+        self.source, self.micro_batch, self.finite = source, micro_batch, finite
+
+    def __iter__(self) -> Iterator[CTRBatch]:
+        return iter(self.source)
+
+    def state(self) -> dict[str, int]:
+        return self.source.state()
+
+    def step_samples(self, batch: CTRBatch | None, group: Any) -> int:
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if not self.finite:
+            return self.micro_batch * world
+        have_and_size = torch.tensor([0, 0] if batch is None else [1, batch.batch_size])
+        if world > 1:
+            dist.all_reduce(have_and_size, group=group)
+        return int(have_and_size[1]) if int(have_and_size[0]) == world else 0
+
+    def job_step(self, progress: Progress) -> int:
+        return progress.step
+
+    def tag(self, progress: Progress) -> str:
+        return f"step{progress.step}"
+
+    def mark(self) -> None:
+        return None
+
+    def save_due(self, every: int, progress: Progress, mark: Any) -> bool:
+        return progress.step % every == 0
+
+    def resume_states(self, group: Any) -> list[dict[str, int]]:
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, self.state(), group=group)  # DeepSpeed writes client_state from rank 0 only
+        return states
+
+    def monitor_x(self, progress: Progress) -> int:
+        return progress.samples
+
+    def close(self) -> None:
+        # (if the loop raised: a daemon thread, stopped when the prefetcher is collected or the process exits)
+        if isinstance(self.source, Prefetcher):
+            self.source.close()
+
+
+class ClaimedBatches:
+    """Micro-batches of the batch numbers a GBAEngine hands this worker (fast workers take more).
+
+    Batch number ``i`` is the job's global micro-batches ``i*gas .. i*gas+gas-1``: of the synthetic
+    stream (with gas 1 a sync run reads exactly the per-rank streams' batches) or, for files, global
+    rows ``[j*micro_batch, (j+1)*micro_batch)`` of micro-batch ``j`` (``RowRangeReader``). ``index``
+    is the number being trained; ``state()`` the job-wide resume point. Never prefetched: a claim
+    is a job-wide number taken from the engine's store, and claiming ahead on a thread would take
+    numbers this worker may never train.
+
+    Example::
+
+        for batch in ClaimedBatches(engine, SyntheticCTRGenerator.for_config(cfg), 256, gas=1, total=1000,
+                                    workers=2):
+            ...
+    """
+
+    is_claimed = True
+
+    def __init__(self, engine: RecEngine, source: SyntheticCTRGenerator | RowRangeReader, micro_batch: int,
+                 gas: int, total: int, workers: int, start: int = 0) -> None:
+        self.engine, self.micro_batch, self.gas, self.total, self.start = engine, micro_batch, gas, total, start
+        self.source, self.workers = source, workers
+        self.index = -1
+
+    def _micro(self, j: int) -> CTRBatch:
+        if isinstance(self.source, RowRangeReader):
+            return self.source.rows(j * self.micro_batch, (j + 1) * self.micro_batch)
+        return self.source.batch(self.micro_batch, j, "train")
+
+    def __iter__(self) -> Iterator[CTRBatch]:
+        for index in self.engine.claim_batches(self.total, start=self.start):
+            self.index = index
+            for j in range(self.gas):
+                yield self._micro(index * self.gas + j)
+
+    def state(self) -> dict[str, int]:
+        """The resume point: every batch number below it was handed out."""
+        return {"batches_taken": self.engine.batches_taken}
+
+    def step_samples(self, batch: CTRBatch | None, group: Any) -> int:
+        # no collective per micro-step: the engine says when the shared total is used up; bad file rows are no samples
+        return 0 if batch is None else batch.batch_size
+
+    def job_step(self, progress: Progress) -> int:
+        return self.index // self.workers  # windows are job-wide with gba
+
+    def tag(self, progress: Progress) -> str:
+        # the job-wide count, the same on every worker whenever a save is collective (sync)
+        return f"batch{self.state()['batches_taken']}"
+
+    def mark(self) -> tuple[int, str]:
+        return self.state()["batches_taken"], self.engine.mode  # one store read per step
+
+    def save_due(self, every: int, progress: Progress, mark: tuple[int, str]) -> bool:
+        taken_before, mode_before = mark
+        if mode_before == "gba" and self.engine.mode == "sync":
+            return False  # just back from gba: the workers' counts before this step differ, the next period will save
+        period = every * self.workers
+        return self.state()["batches_taken"] // period > taken_before // period
+
+    def resume_states(self, group: Any) -> list[dict[str, int]]:
+        return [self.state()]  # one job-wide resume point; no collective (gba-mode saves are the first worker's)
+
+    def monitor_x(self, progress: Progress) -> int:
+        return self.engine.version * self.micro_batch * self.gas * self.workers  # updates x global batch
+
+    def close(self) -> None:
+        return None
+
+
+def file_reader(job: RecJob, files: Sequence[str], start_row: int, shard: int | None = None,
+                sharded: bool = True) -> Any:
+    """A Criteo TSV or parquet reader of ``files`` from ``start_row``: shard ``shard`` (default this rank's) or all."""
+    if not files:
+        raise RecJobError(f"--data {job.config.data} needs --train-files and --eval-files")
+    from picasso_ops.data.criteo import CriteoTSVReader
+    from picasso_ops.data.parquet import ParquetCTRReader
+
+    cls = CriteoTSVReader if job.config.data == "criteo" else ParquetCTRReader
+    rank, world = (job.rank if shard is None else shard, job.workers) if sharded else (0, 1)
+    return cls(list(files), job.micro_batch, vocab_sizes=job.config.vocab, rank=rank, world_size=world,
+               start_row=start_row, max_bad_fraction=job.config.max_bad_fraction)
+
+
+def prefetched(stream: Any, depth: int, rank: int) -> Any:
+    """``stream``, read ``depth`` batches ahead on a thread when ``depth`` > 0 (its state: the batches consumed)."""
+    if depth == 0:
+        return stream
+    if rank == 0:
+        logger.info("picasso interleave: training batches read %d ahead on a thread", depth)
+    return Prefetcher(stream, depth, state=stream.state, name=f"train_rec-data-rank{rank}")
+
+
+def claimed_batches(job: RecJob, engine: RecEngine, data_states: list[dict] | None) -> ClaimedBatches:
+    """The job's numbered batches for this worker, from where ``data_states`` says the job stopped."""
+    start = int(data_states[0]["batches_taken"]) if data_states else 0
+    total = job.config.steps * job.workers
+    if job.synthetic is not None:
+        source: SyntheticCTRGenerator | RowRangeReader = SyntheticCTRGenerator.for_config(job.synthetic)
+    else:  # batch k = file rows [k*gas*B, (k+1)*gas*B): each worker reads forward to its numbers
+        source = RowRangeReader(lambda row: file_reader(job, job.config.train_files, row, sharded=False))
+        in_files = source.num_rows // (job.micro_batch * job.grad_accum)  # whole batches only
+        if in_files < total and job.rank == 0:
+            notice.info("the training files hold %s whole batches of %d rows, fewer than --steps x workers = %s: "
+                        "training on those", f"{in_files:,}", job.micro_batch * job.grad_accum, f"{total:,}")
+        total = min(total, in_files)
+    return ClaimedBatches(engine, source, job.micro_batch, job.grad_accum, total=total, workers=job.workers,
+                          start=start)
+
+
+def rank_stream(job: RecJob, progress: Progress, data_states: list[dict] | None) -> RankStream:
+    """This rank's shard of the training data, positioned after what ``progress`` / ``data_states`` say was consumed."""
+    if job.synthetic is not None:
+        stream: Any = SyntheticCTRStream(job.synthetic, job.micro_batch, rank=job.rank, world_size=job.workers,
+                                         split="train", start_batch=progress.micro_batches * job.workers)
+        return RankStream(prefetched(stream, job.prefetch_depth, job.rank), job.micro_batch, finite=False)
+    start_row = 0
+    if data_states:
+        if len(data_states) != job.workers:
+            raise RecJobError(f"--resume: the checkpoint was written by {len(data_states)} ranks reading files; "
+                              f"resume file streams with the same number of ranks, not {job.workers}")
+        start_row = int(data_states[job.rank]["next_row"])  # exact even when bad rows were skipped
+    reader = file_reader(job, job.config.train_files, start_row)
+    return RankStream(prefetched(reader, job.prefetch_depth, job.rank), job.micro_batch, finite=True)
+
+
+def train_stream(job: RecJob, engine: RecEngine, progress: Progress,
+                 data_states: list[dict] | None) -> TrainStream:
+    """This rank's training stream: claimed batches with a gba block, else its own shard.
+
+    With ``picasso.interleave.prefetch_batches`` N > 0 the shard is read N batches ahead on a
+    thread; its ``state()`` is the position of the batches *consumed*, which is what checkpoints record.
+    """
+    if job.claims_batches:
+        return claimed_batches(job, engine, data_states)
+    return rank_stream(job, progress, data_states)
+
+
+def eval_stream(job: RecJob, shard: int | None = None) -> Iterable[CTRBatch]:
+    """The held-out batches of ``shard`` (default: this rank's) of ``job.workers`` shards."""
+    shard = job.rank if shard is None else shard
+    if job.synthetic is not None:
+        total = math.ceil(job.config.eval_samples / job.micro_batch)
+        return SyntheticCTRStream(job.synthetic, job.micro_batch, rank=shard, world_size=job.workers,
+                                  split="eval", num_batches=total)
+    return file_reader(job, job.config.eval_files, 0, shard=shard)

@@ -1,0 +1,108 @@
+"""The CTR model of a recommender job, built from its flags and plugin blocks.
+
+Example::
+
+    model = build_model(RecJob.build(RecJobConfig(config="ds_configs/demo_cpu.json"), rank=0, world_size=1))
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from picasso_ops.block import PicassoBlockError, apply_picasso_block, cached_field_embeddings
+from picasso_ops.embedding.sparse_optim import OPTIMIZERS
+from picasso_ops.models import DLRM, SparseArgs, WideAndDeep, packed_dlrm, packed_wide_and_deep
+from sparse_scale.rec.config import RecJobError
+from sparse_scale.rec.job import RecJob
+
+logger = logging.getLogger(__name__)
+
+
+def sparse_args(block: Any) -> SparseArgs:
+    """The packed tables' settings from a validated ``picasso`` block.
+
+    Only the hyperparameters the chosen optimizer takes are passed (``eps``
+    means nothing to sgd). Tables are data-parallel unless the block carries
+    ``sharding: "row_wise"``.
+
+    Example::
+
+        sparse_args(PicassoConfig.model_validate({"optimizer": {"type": "sgd", "lr": 0.1}})).optimizer   # "sgd"
+    """
+    opt = block.optimizer
+    params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
+    return SparseArgs(optimizer=opt.type, optimizer_params=params, packing=block.packing,
+                      sharding=getattr(block, "sharding", "data_parallel"))
+
+
+def scheduled_sparse_lr(block: Any) -> float | None:
+    """The packed tables' peak lr for ``engine_step`` when they follow DeepSpeed's schedule, else ``None``.
+
+    ``picasso.optimizer.lr_schedule`` ``"deepspeed"``: the tables' lr at each step
+    is ``picasso.optimizer.lr`` x DeepSpeed's lr of that step / its schedule's
+    peak; ``"constant"`` (or no picasso block): ``None``, the block's lr throughout.
+
+    Example::
+
+        >>> from picasso_ops.config import PicassoConfig
+        >>> scheduled_sparse_lr(PicassoConfig.model_validate({"optimizer": {"type": "adam", "lr": 0.001}}))
+        0.001
+    """
+    if block is None or block.optimizer.lr_schedule != "deepspeed":
+        return None
+    return float(block.optimizer.lr)
+
+
+def _server_table_model(job: RecJob) -> torch.nn.Module:
+    from gba_engine.tables import ServerFieldEmbeddings
+
+    a, seed = job.model_args, job.config.seed
+    deep = ServerFieldEmbeddings(a.vocab_sizes, a.embedding_dim, a.pooling, 0.01, "deep", seed=seed)
+    if job.config.model == "dlrm":
+        return DLRM(a, embeddings=deep)
+    return WideAndDeep(a, embeddings=deep, wide=ServerFieldEmbeddings(a.vocab_sizes, 1, a.pooling, 0.0, "wide",
+                                                                      seed=seed))
+
+
+def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
+    args = dataclasses.replace(job.model_args, embedding_dim=block.embedding_dim)
+    sparse = sparse_args(block)
+    if job.rank == 0:
+        logger.info("picasso model (%s): packing=%s dim=%d sparse optimizer %s %s (lr schedule: %s), %s tables",
+                    job.config.model, block.packing, block.embedding_dim, sparse.optimizer,
+                    dict(sparse.optimizer_params), block.optimizer.lr_schedule, sparse.sharding)
+    try:
+        # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
+        workdir = Path(job.config.out)
+        if job.config.model == "dlrm":  # with a cache, apply_picasso_block moves the packed tables into the store
+            model = packed_dlrm(args, sparse)
+        else:
+            factory = None
+            if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
+                factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
+            model = packed_wide_and_deep(args, sparse, field_embeddings=factory)
+        return apply_picasso_block(model, block, workdir=workdir, rank=job.rank)
+    except PicassoBlockError as exc:
+        raise RecJobError(f"{job.config.config}: {exc}") from None
+
+
+def build_model(job: RecJob) -> torch.nn.Module:
+    """The CTR model for this job.
+
+    Without a ``picasso`` block: wide-and-deep (``model="dlrm"``: DLRM) over one
+    ``nn.EmbeddingBag`` per field. With it: the same model over packed tables (packing, embedding_dim
+    and the fused sparse optimizer from the block), whose update runs in
+    ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step),
+    served through a hot-row cache with a ``cache`` block and run as interleaved
+    micro-batches with ``interleave.micro_batches > 1`` (see picasso_ops.block).
+    With ``server_tables`` (gba block): the same model, its tables on the parameter servers.
+    """
+    if job.config.server_tables:  # the combinations allow it with a gba block only
+        return _server_table_model(job)
+    if job.picasso is None:
+        return DLRM(job.model_args) if job.config.model == "dlrm" else WideAndDeep(job.model_args)
+    return _packed_model(job, job.picasso)

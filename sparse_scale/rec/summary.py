@@ -1,0 +1,100 @@
+"""What a recommender job reports: :class:`RecSummary` (summary.json) and the summary table's rows.
+
+Example::
+
+    summary.to_dict()              # the keys of OUT/summary.json
+    print_table(summary_rows(summary.to_dict()))
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RecSummary:
+    """One worker's result of :func:`sparse_scale.rec.run`; ``to_dict()`` is what rank 0 writes to summary.json."""
+
+    model: str
+    world_size: int
+    launcher: str
+    steps: int
+    samples: int  # the job's samples (with claimed batches: summed over the workers)
+    samples_per_s: float
+    train_time_s: float
+    local_samples: int  # this rank's, this run
+    metrics: dict[str, float]  # auc, log_loss, eval_samples, and with a planted teacher bayes_auc, bayes_log_loss
+    checkpoint: str
+    wandb_mode: str | None
+    wandb_dir: str | None
+    eval_history: list[dict[str, float]]
+    picasso: dict[str, Any] | None = None  # cache hit rate (training lookups), micro-batches
+    gba: dict[str, Any] | None = None  # mode, switches and their cost, staleness, per-worker samples/s
+
+    is_server = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json's mapping: the metrics inline, the picasso and gba parts only when the job had the block."""
+        out: dict[str, Any] = {
+            "model": self.model, "world_size": self.world_size, "launcher": self.launcher, "steps": self.steps,
+            "samples": self.samples, "samples_per_s": self.samples_per_s, "train_time_s": self.train_time_s,
+            "local_samples": self.local_samples, **self.metrics, "checkpoint": self.checkpoint,
+            "wandb_mode": self.wandb_mode, "wandb_dir": self.wandb_dir, "eval_history": self.eval_history,
+        }
+        if self.picasso is not None:
+            out["picasso"] = self.picasso
+        if self.gba is not None:
+            out["gba"] = self.gba
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSummary:
+    """A parameter-server rank's result: it served the job and trained nothing itself."""
+
+    stats: dict[str, Any]
+
+    is_server = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"server": True, "gba_server": self.stats}
+
+
+def gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Summary-table rows of a GBA job: mode, switches and their cost, staleness, per-worker samples/s."""
+    if not g:
+        return []
+    rows = [("gba mode (end) / steps per mode", f"{g['mode']} / {g['steps_per_mode']}"),
+            ("gba switches", f"{len(g['switches'])} ({g['switch_seconds']:.3f} s, {g['switch_bytes'] / 1e6:.2f} MB)")]
+    rows += [(f"  step {e['step']}", f"{e['src']} -> {e['dst']}: {e['reason']}") for e in g["switches"]]
+    if g["staleness_histogram"]:
+        rows.append(("gba staleness (tau: grads)", ", ".join(f"{t}: {n}" for t, n in g["staleness_histogram"].items())))
+    if g["gradients"]:
+        rows.append(("gba gradients", ", ".join(f"{k} {v}" for k, v in g["gradients"].items())))
+    if g.get("clipped_updates"):
+        rows.append(("gba updates clipped (servers)", f"{g['clipped_updates']}"))
+    if g.get("lost_workers") or g.get("rejoined_workers"):
+        rows.append(("gba workers lost / rejoined", f"{g.get('lost_workers', [])} / {g.get('rejoined_workers', [])}"))
+    rows.append(("samples/s per worker", ", ".join(f"{float(v):,.0f}" for v in g["samples_per_s"].values())))
+    return rows
+
+
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The final summary table's ``(name, value)`` rows of a summary.json mapping."""
+    rows = [
+        ("ranks", f"{s['world_size']} ({s['launcher']})"),
+        ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
+        ("samples/s (this run)", f"{s['samples_per_s']:,.0f}"),
+        ("eval samples", f"{int(s['eval_samples']):,}"),
+        ("AUC", f"{s['auc']:.4f}"),
+    ]
+    if "bayes_auc" in s:
+        gap = s["bayes_auc"] - s["auc"]
+        rows.append(("best reachable AUC", f"{s['bayes_auc']:.4f}  (planted teacher; gap {gap:.4f})"))
+    teacher = f"  (teacher {s['bayes_log_loss']:.4f})" if "bayes_log_loss" in s else ""
+    rows.append(("log loss", f"{s['log_loss']:.4f}" + teacher))
+    if "cache_hit_rate" in s.get("picasso", {}):
+        rows.append(("picasso cache hit rate", f"{s['picasso']['cache_hit_rate']:.4f}"))
+    rows += gba_rows(s.get("gba"))
+    rows += [("checkpoint", s["checkpoint"]), ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})")]
+    return rows

@@ -1,0 +1,141 @@
+"""sparse_scale.rec's combination rules (each refusal names its reason) and its fault injector."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparse_scale.rec.combinations import RULES, CombinationError, check_combinations, refusals
+from sparse_scale.rec.config import RecJobConfig
+from sparse_scale.rec.faults import (CALIBRATION_STEPS, CRASH_EXIT_CODE, Crash, FaultInjector, Straggler,
+                                     parse_crash, parse_straggler)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _file(tmp_path: Path, name: str, **blocks) -> str:
+    cfg = json.loads((ROOT / "ds_configs" / "demo_cpu.json").read_text())
+    cfg.update(blocks)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture()
+def files(tmp_path):
+    gba = {"mode": "gba", "num_servers": 1}
+    return {
+        "plain": _file(tmp_path, "plain"),
+        "gba": _file(tmp_path, "gba", gba=gba),
+        "sync": _file(tmp_path, "sync", gba={**gba, "mode": "sync"}),
+        "gba+picasso": _file(tmp_path, "both", gba=gba, picasso={"packing": True}),
+    }
+
+
+REFUSED = [
+    ("gba+picasso", "gba+picasso", {}, "the gba and picasso blocks cannot be combined yet (the parameter servers"),
+    ("gba", "eval-every+async", {"eval_every": 5}, "--eval-every with gba.mode='gba': workers run at their own pace"),
+    ("gba", "rejoin+resume", {"rejoin_as": 1, "resume": True}, "--rejoin-as continues the running job's state"),
+    ("sync", "rejoin+sync", {"rejoin_as": 1}, "--rejoin-as needs gba.mode gba or auto: a sync job keeps DeepSpeed's"),
+    ("plain", "rejoin-without-gba", {"rejoin_as": 1}, "--rejoin-as needs a gba block (a restarted worker joins"),
+    ("plain", "server-tables-without-gba", {"server_tables": True}, "--server-tables needs a gba block (the tables"),
+    ("plain", "files-without-files", {"data": "criteo", "train_files": ("a.tsv",)},
+     "--data criteo needs --train-files and --eval-files"),
+]
+
+
+def test_every_rule_is_exercised():
+    assert sorted(r.name for r in RULES) == sorted(rule for _, rule, _, _ in REFUSED)
+
+
+@pytest.mark.parametrize("file,rule,flags,reason", REFUSED, ids=[r[1] for r in REFUSED])
+def test_each_refused_combination_names_its_reason(files, file, rule, flags, reason):
+    job = RecJobConfig(config=files[file], **flags)
+    found = refusals(job)
+    assert [e.rule for e in found] == [rule]
+    assert reason in str(found[0])
+    if rule not in ("rejoin+resume", "files-without-files"):  # flag-only reasons; the others name the file
+        assert str(found[0]).startswith(files[file] + ": ")
+    with pytest.raises(CombinationError, match=f"^{str(found[0])[:30]}"):
+        check_combinations(job)
+
+
+@pytest.mark.parametrize("file,flags", [
+    ("plain", {}), ("plain", {"eval_every": 5, "save_every": 2, "resume": True}),
+    ("gba", {"server_tables": True, "save_every": 2}), ("gba", {"rejoin_as": 1}), ("sync", {"eval_every": 5}),
+    ("plain", {"data": "parquet", "train_files": ("a",), "eval_files": ("b",)}),
+])
+def test_allowed_combinations_pass(files, file, flags):
+    job = RecJobConfig(config=files[file], **flags)
+    assert refusals(job) == []
+    check_combinations(job)
+
+
+def test_several_refusals_are_all_listed_and_the_first_is_raised(files):
+    job = RecJobConfig(config=files["plain"], rejoin_as=0, server_tables=True)
+    assert [e.rule for e in refusals(job)] == ["rejoin-without-gba", "server-tables-without-gba"]
+    with pytest.raises(CombinationError, match="--rejoin-as needs a gba block"):
+        check_combinations(job)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("text,expected", [("1:4", Straggler(1, 4.0)), ("0:1.5:20-60", Straggler(0, 1.5, 20, 60))])
+def test_parse_straggler(text, expected):
+    assert parse_straggler(text) == expected
+
+
+@pytest.mark.parametrize("text,match", [("1", "expected RANK:FACTOR"), ("1:0.5", "FACTOR >= 1"),
+                                        ("-1:2", "RANK must be >= 0"), ("1:2:5-5", "empty step window 5-5"),
+                                        ("1:x", "could not convert")])
+def test_bad_straggler_text_says_why(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_straggler(text)
+
+
+def test_parse_crash():
+    assert parse_crash("1:3") == Crash(1, 3)
+    with pytest.raises(ValueError, match=r"--crash '1:0': RANK must be >= 0 and STEP >= 1 \(expected RANK:STEP\)"):
+        parse_crash("1:0")
+
+
+class _Recorder:
+    def __init__(self):
+        self.sleeps, self.exits = [], []
+
+
+def _injector(rank, stragglers, crash=None):
+    rec = _Recorder()
+    return FaultInjector(rank, stragglers, crash, sleep=rec.sleeps.append, exit=rec.exits.append), rec
+
+
+def test_straggler_sleeps_factor_minus_one_times_the_calibrated_median_inside_its_window():
+    faults, rec = _injector(1, [Straggler(1, 4.0, start=5, end=8), Straggler(0, 10.0)])
+    for s in (0.3, 0.1, 0.2):  # the first micro-steps calibrate and are never delayed
+        assert faults.before_backward(step=6) == 0.0
+        faults.after_backward(s)
+    assert faults.calibrated and CALIBRATION_STEPS == 3
+    faults.after_backward(5.0)  # later steps do not move the calibration
+    assert faults.before_backward(step=4) == 0.0 and faults.before_backward(step=8) == 0.0  # outside [5, 8)
+    assert faults.before_backward(step=5) == pytest.approx(3 * 0.2)  # median 0.2, factor 4
+    assert rec.sleeps == [pytest.approx(0.6)]  # only the delayed step slept; rank 0's straggler is not this rank's
+
+
+def test_rank_without_stragglers_never_sleeps_or_exits():
+    faults, rec = _injector(0, [Straggler(1, 4.0)], Crash(1, 2))
+    for step in range(1, 6):
+        faults.after_backward(0.1)
+        faults.before_backward(step)
+        faults.after_step(step)
+    assert rec.sleeps == [] and rec.exits == [] and not faults.calibrated
+
+
+def test_crash_exits_with_code_17_after_its_step_only():
+    faults, rec = _injector(1, [], Crash(1, 3))
+    for step in (1, 2):
+        faults.after_step(step)
+    assert rec.exits == []
+    faults.after_step(3)
+    assert rec.exits == [CRASH_EXIT_CODE] == [17]
