@@ -22,7 +22,7 @@ setup(
         "console_scripts": [
             "sparse-train-rec = sparse_scale.rec.cli:main",
             "sparse-train-moe-lm = sparse_scale.lm.cli:main",
-            "sparse-plan = moe_proto.plan:main",
+            "sparse-plan = sparse_scale.lm.plan:main",
         ],
     },
     extras_require={

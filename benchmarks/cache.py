@@ -36,13 +36,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from picasso_ops.cache import CachedEmbeddingTable, MmapRowStore, belady_hit_rate  # noqa: E402
-from picasso_ops.cache.store import HostRowStore, RowStore  # noqa: E402
-from picasso_ops.data.zipf import ZipfSampler  # noqa: E402
-from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer  # noqa: E402
-from picasso_ops.vocab.dynamic_table import hashed_init, with_sparse_update  # noqa: E402
+from picasso_ops.cache import CachedEmbeddingTable, MmapRowStore, belady_hit_rate
+from picasso_ops.cache.store import HostRowStore, RowStore
+from picasso_ops.data.zipf import ZipfSampler
+from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
+from picasso_ops.vocab.dynamic_table import hashed_init, with_sparse_update
 
 logger = logging.getLogger("benchmarks.cache")
 SECTION = "## Cache (issue 4 item 5)"

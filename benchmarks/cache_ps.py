@@ -36,8 +36,6 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 SECTION = "## Cache over the parameter server (issue 4 items 5 and 9)"
 RUNS = ("no_cache", "cache", "cache_no_prefetch")

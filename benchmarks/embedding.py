@@ -74,11 +74,9 @@ except ImportError:  # not POSIX: no page-fault counts
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from picasso_ops.data.zipf import ZipfSampler  # noqa: E402
-from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec  # noqa: E402
-from picasso_ops.jagged import JaggedBatch  # noqa: E402
+from picasso_ops.data.zipf import ZipfSampler
+from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec
+from picasso_ops.jagged import JaggedBatch
 
 logger = logging.getLogger("benchmarks.embedding")
 SECTION = "## Embeddings (issue 4 item 9)"

@@ -40,12 +40,10 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from picasso_ops.data import SyntheticConfig, SyntheticCTRStream  # noqa: E402
-from picasso_ops.distributed import sparse_step  # noqa: E402
-from picasso_ops.interleave import InterleavedTrainer, Timeline  # noqa: E402
-from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep  # noqa: E402
+from picasso_ops.data import SyntheticConfig, SyntheticCTRStream
+from picasso_ops.distributed import sparse_step
+from picasso_ops.interleave import InterleavedTrainer, Timeline
+from picasso_ops.models import SparseArgs, WideAndDeep, WideAndDeepArgs, packed_wide_and_deep
 
 logger = logging.getLogger("benchmarks.interleave")
 SECTION = "## Interleaving (issue 4 item 6)"

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 logger = logging.getLogger("benchmarks.prefetch")
 SECTION = "## Data prefetch in train_rec (issue 4 item 6)"

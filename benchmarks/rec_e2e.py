@@ -63,8 +63,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SECTION = "## train_rec picasso on/off (issue 4 item 9)"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -131,7 +129,7 @@ def train_command(config: Path, out: Path, fields: int, vocab: int, steps: int, 
 
 
 # train_rec functions whose time is not training: subtracted from the whole train() call for the CPU figure
-_OVERHEAD = ("init_distributed", "build_model", "build_engine", "evaluate", "_save", "finish_wandb")
+_OVERHEAD = ("init_distributed", "build_model", "build_engine", "evaluate", "save", "finish_wandb")
 
 
 def copy_into_packed(plain: Any, packed: Any) -> None:
@@ -158,20 +156,19 @@ def child(out_json: str, train_argv: list[str], same_init: bool = False) -> None
     train_rec's own ``samples_per_s`` (wall clock) is left untouched. The
     training loop's CPU time is the main thread's ``time.thread_time()`` over
     the whole ``train()`` call minus that of start-up (``init_distributed``,
-    ``RecJob``, ``build_model``, ``build_engine``, the stream's generator),
+    ``RecJob.build``, ``build_model``, ``build_engine``, the stream's generator),
     evaluation, checkpointing and wandb shutdown, each wrapped here. The
     final evaluation's scores, labels and teacher probabilities (the
     arguments of train_rec's two ``auc`` calls) go to ``OUT_JSON`` with
     ``.npz`` for the standard errors. ``same_init``: see ``--optimizer sgd``.
     """
-    import importlib.util
+    import logging
 
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("train_rec", ROOT / "launch" / "train_rec.py")
-    tr = importlib.util.module_from_spec(spec)
-    sys.modules["train_rec"] = tr  # dataclasses look their module up by name
-    spec.loader.exec_module(tr)
+    from picasso_ops.models import WideAndDeep
+    from sparse_scale.rec import checkpoint, cli, data, engines, evaluate as evaluation, model, runner
+    from sparse_scale.rec.job import RecJob
     spent = {"cpu": 0.0}
     auc_calls: list[tuple[Any, Any]] = []
 
@@ -195,30 +192,32 @@ def child(out_json: str, train_argv: list[str], same_init: bool = False) -> None
     if same_init:  # the packed model starts from the weights the plain one gets from the same RNG state
         import torch
 
-        build = tr.build_model
+        build = model.build_model
 
         def build_same_init(job):
             before = torch.get_rng_state()
-            model = build(job)
-            if job.job.blocks.get("picasso") is not None:
+            net = build(job)
+            if job.picasso is not None:
                 after = torch.get_rng_state()
                 torch.set_rng_state(before)
-                copy_into_packed(tr.WideAndDeep(job.model_args), model)
+                copy_into_packed(WideAndDeep(job.model_args), net)
                 torch.set_rng_state(after)
-            return model
+            return net
 
-        tr.build_model = build_same_init
-    auc_fn = tr.auc
-    tr.auc = recording_auc
+        model.build_model = build_same_init
+    auc_fn = evaluation.auc
+    evaluation.auc = recording_auc
+    owners = {"init_distributed": runner, "build_model": model, "build_engine": engines, "evaluate": evaluation,
+              "save": checkpoint, "finish_wandb": cli}
     for name in _OVERHEAD:
-        setattr(tr, name, timed(getattr(tr, name)))
-    evaluate_inner = tr.evaluate
-    tr.evaluate = evaluate
-    tr.RecJob.__init__ = timed(tr.RecJob.__init__)
-    tr.RecJob.train_stream = timed(tr.RecJob.train_stream)  # builds the synthetic generator (teacher calibration)
-    tr.logging.basicConfig(level=tr.logging.WARNING)
+        setattr(owners[name], name, timed(getattr(owners[name], name)))
+    evaluate_inner = evaluation.evaluate
+    evaluation.evaluate = evaluate
+    RecJob.build = classmethod(timed(RecJob.build.__func__))
+    data.train_stream = timed(data.train_stream)  # builds the synthetic generator (teacher calibration)
+    logging.basicConfig(level=logging.WARNING)
     c0 = time.thread_time()
-    summary = tr.train(tr.parse_args(train_argv))
+    summary = cli.train(cli.parse_args(train_argv))
     total = time.thread_time() - c0
     train_cpu = max(total - spent["cpu"], 1e-9)
     if auc_calls:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
-from sparse_scale.config import parse_config, read_config_file
+from sparse_scale.base.config_file import read_config_file, split_config, validate_model
 
 from .config import GBAConfig
 from .ps import OptimizerSpec, layout
@@ -56,16 +56,21 @@ class WorkerMPU:
 def load_config(config: str | os.PathLike | Mapping[str, Any]) -> tuple[dict, GBAConfig, str]:
     """The DeepSpeed dict, its validated ``"gba"`` block (defaults when absent) and where it came from.
 
+    Only the ``gba`` block is validated here (the job layer, ``sparse_scale.config``, checks the
+    others); every plugin block is left out of the DeepSpeed dict and misspelt block names are errors.
+
     Example::
 
         ds, gba, source = load_config({"optimizer": {...}, "gba": {"mode": "auto"}})    # source "<dict>"
     """
     if isinstance(config, Mapping):
-        job, source = parse_config(dict(config)), "<dict>"
+        data, source = dict(config), "<dict>"
     else:
         source = str(config)
-        job = parse_config(read_config_file(config), source=source)
-    return dict(job.ds), job.blocks.get("gba") or GBAConfig(), source
+        data = read_config_file(config)
+    ds, blocks = split_config(data, source)
+    gba = validate_model("gba", GBAConfig, blocks["gba"], source) if "gba" in blocks else GBAConfig()
+    return ds, gba, source
 
 
 def check_config(ds: dict, gba: GBAConfig, world: int | None, source: str) -> OptimizerSpec:

@@ -37,6 +37,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -51,7 +52,7 @@ from picasso_ops.interleave.forward import InterleavedForward
 from picasso_ops.models.wide_deep import PackedFieldEmbeddings
 
 __all__ = ["PicassoBlockError", "apply_picasso_block", "cached_field_embeddings", "cached_modules", "flush_caches",
-           "picasso_summary", "monitor_events"]
+           "picasso_summary", "monitor_events", "with_children"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,32 @@ class PicassoBlockError(ValueError):
 
 def _packed_children(model: nn.Module) -> list[tuple[str, PackedFieldEmbeddings]]:
     return [(name, m) for name, m in model.named_children() if isinstance(m, PackedFieldEmbeddings)]
+
+
+def with_children(model: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``model`` whose direct children ``replacements`` are swapped; ``model`` is not changed.
+
+    The other children (and parameters, buffers) are the same objects as
+    ``model``'s: the copy trains them. Only the copy's own registries (children,
+    parameters, buffers, hooks) are new, so later edits of one do not show in the other.
+
+    Example::
+
+        >>> seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> new = with_children(seq, {"1": nn.Tanh()})
+        >>> type(seq[1]).__name__, type(new[1]).__name__, new[0] is seq[0]
+        ('ReLU', 'Tanh', True)
+    """
+    unknown = sorted(set(replacements) - set(dict(model.named_children())))
+    if unknown:
+        raise KeyError(f"{type(model).__name__} has no children {unknown}")
+    new = copy.copy(model)
+    for key, value in vars(model).items():
+        if isinstance(value, (dict, set)):  # nn.Module's registries: the copy gets its own
+            new.__dict__[key] = copy.copy(value)
+    for name, child in replacements.items():
+        new._modules[name] = child
+    return new
 
 
 def check_cache_config(cache: CacheConfig, table_rows: dict[str, int], *, sharding: str) -> None:
@@ -143,10 +170,13 @@ def cached_field_embeddings(block: PicassoConfig, *, workdir: Optional[Path] = N
 
 def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Optional[Path] = None,
                         rank: int = 0) -> nn.Module:
-    """``model`` with the block's cache (in place) and interleaving (a wrapper when ``micro_batches > 1``).
+    """A new model: ``model`` with the block's cache and interleaving (a wrapper when ``micro_batches > 1``).
 
     ``model`` is a packed model (``packed_wide_and_deep`` / ``packed_dlrm``) built from the same block;
     modules already built into the cache (:func:`cached_field_embeddings`) are kept as they are.
+    ``model`` itself is not changed: with a cache the result is a copy whose packed field
+    embeddings are replaced by cached ones (:func:`with_children`; the dense layers are shared),
+    so rebind the name (``model = apply_picasso_block(model, ...)``) to let the packed tables go.
 
     Example::
 
@@ -164,13 +194,15 @@ def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Opti
             raise PicassoBlockError(f"picasso.cache: {type(model).__name__} has no packed field embeddings to cache")
         rows = {**built, **{name: sum(s.num_embeddings for s in m.collection.specs) for name, m in children}}
         check_cache_config(cache, rows, sharding=block.sharding)
+        replacements: dict[str, nn.Module] = {}
         for name, packed in children:
             if not isinstance(packed.collection, DataParallelEmbeddingCollection):
                 raise PicassoBlockError(f"picasso.cache: {name!r} is not a data-parallel packed collection")
-            cached = CachedFieldEmbeddings.from_packed(
+            replacements[name] = CachedFieldEmbeddings.from_packed(
                 packed, capacity=cache.rows, policy=cache.policy, prefetch=cache.prefetch,
                 store_factory=_store_factory(cache, name, workdir, rank), capacity_key="picasso.cache.rows")
-            setattr(model, name, cached)  # the packed tables go; their rows now live in the store
+        if replacements:  # their rows now live in the stores
+            model = with_children(model, replacements)
         if rank == 0:
             logger.info("picasso cache: %s rows per table of %s, policy %s, store %s, prefetch %s", cache.rows,
                         rows, cache.policy, cache.store, cache.prefetch)

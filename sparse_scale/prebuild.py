@@ -5,51 +5,68 @@
 DeepSpeed JIT-builds ``deepspeed_shm_comm`` on the first ``init_distributed`` of a
 multi-rank CPU job (~1 min) into ~/.cache/torch_extensions. A build killed midway
 leaves a ``lock`` file there and every later build waits on it forever: this script
-names such a lock instead of hanging.
+names such a lock instead of hanging. Staleness is judged by
+``picasso_ops.ops.builder.lock_staleness``, the one stale-lock test of the project;
+this edge binds ``picasso_ops.ops.configure(OpsConfig.from_env(os.environ))`` first.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
+
+from picasso_ops.ops import builder
+from picasso_ops.ops.config import OpsConfig, configure, current_config
 
 logger = logging.getLogger(__name__)
 
-STALE_LOCK_S = 600.0  # no op of ours takes this long to build on 2 cores
+STALE_LOCK_S = OpsConfig().stale_lock_s  # no op of ours takes this long to build on 2 cores
 
 
 def extensions_dir() -> Path:
-    """Where torch's cpp_extension caches JIT builds (TORCH_EXTENSIONS_DIR or the default)."""
+    """Where torch's cpp_extension caches JIT builds (TORCH_EXTENSIONS_DIR, read by torch, or the default)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     return Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent
 
 
-def stale_locks(root: Path, now: float | None = None, max_age_s: float = STALE_LOCK_S) -> list[Path]:
-    """Lock files under ``root`` older than ``max_age_s``: left by a build that was killed."""
-    now = time.time() if now is None else now
-    return sorted(p for p in root.glob("*/lock") if now - p.stat().st_mtime > max_age_s)
+def stale_locks(root: Path, now: float | None = None, max_age_s: Optional[float] = None) -> list[Path]:
+    """Stale lock files of the op folders under ``root`` (``builder.lock_staleness``): left by a killed build.
+
+    ``max_age_s`` defaults to the bound ``OpsConfig.stale_lock_s``.
+
+    Example::
+
+        >>> stale_locks(Path("/nonexistent"))
+        []
+    """
+    max_age_s = current_config().stale_lock_s if max_age_s is None else max_age_s
+    return sorted(lock for lock in Path(root).glob("*/lock")
+                  if builder.lock_staleness(lock.parent, max_age_s, now=now)[0] is not None)
 
 
 def main() -> int:
+    """Name a stale lock (exit 1) or build DeepSpeed's shm comm op on CPU (exit 0)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure(OpsConfig.from_env(os.environ))
     root = extensions_dir()
     stale = stale_locks(root)
     if stale:
-        print(f"stale JIT build lock(s) from a killed build; delete them and rerun: {[str(p) for p in stale]}",
-              file=sys.stderr)
+        logger.error("stale JIT build lock(s) from a killed build; delete them and rerun: %s", [str(p) for p in stale])
         return 1
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
         return 0  # CUDA builds use NCCL; nothing to prebuild for the CPU path
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not builder.is_compatible():
+    ds_builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if ds_builder is None or not ds_builder.is_compatible():
         logger.info("DeepSpeed's shm comm op is not available here; gloo is used without it")
         return 0
     t0 = time.monotonic()
-    builder.load(verbose=False)
+    ds_builder.load(verbose=False)
     logger.info("DeepSpeed shm comm op ready in %s (%.0fs)", root, time.monotonic() - t0)
     return 0
 

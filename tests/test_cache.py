@@ -9,7 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
-from picasso_ops.cache import (CachedEmbeddingTable, HostRowStore, MmapRowStore, RowSource, RowStore, StoredRows,
+from picasso_ops.cache import (CachedEmbeddingTable, HostRowStore, MmapRowStore, RowStore, StoredRows, TableRowService,
                                TableRowStore, belady_hit_rate)
 from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec
 from picasso_ops.jagged import JaggedBatch
@@ -227,11 +227,11 @@ def test_mmap_store_round_trip(tmp_path) -> None:
 
 
 def test_ps_client_adapter_signature() -> None:
-    """gba_engine's PSClient has the RowSource methods; TableRowStore adapts any such source."""
+    """X"""
     from gba_engine.ps.client import PSClient
 
     for name in ("get_rows", "put_rows"):
-        want = list(inspect.signature(getattr(RowSource, name)).parameters)
+        want = list(inspect.signature(getattr(TableRowService, name)).parameters)
         assert list(inspect.signature(getattr(PSClient, name)).parameters) == want
 
     class FakePS:
@@ -245,6 +245,7 @@ def test_ps_client_adapter_signature() -> None:
             self.rows[ids] = rows
 
     ps = FakePS()
+    assert isinstance(ps, TableRowService)
     store = TableRowStore(ps, "user", 50, 3, {"momentum1": 1})
     assert isinstance(store, RowStore)
     table = CachedEmbeddingTable(store, 5, optimizer="rowwise_adagrad", optimizer_params={"lr": 0.1})

@@ -22,12 +22,11 @@ from picasso_ops.interleave import (
     StageError,
     ThreadPipeline,
     Timeline,
-    WideAndDeepStages,
     interleaved_sparse_step,
 )
 from picasso_ops.interleave.streams import CudaStageStreams, StageStreams, stage_streams, tensors_in
 from picasso_ops.jagged import JaggedBatch
-from picasso_ops.models import DLRMArgs, SparseArgs, WideAndDeepArgs, packed_dlrm, packed_wide_and_deep
+from picasso_ops.models import DLRMArgs, SparseArgs, WideAndDeepArgs, WideAndDeepStages, packed_dlrm, packed_wide_and_deep
 from sparse_scale.multiproc import run_distributed
 
 FIELDS, VOCAB, DENSE = 26, 300, 4

@@ -12,7 +12,7 @@ import torch
 
 from picasso_ops import ops
 from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
-from picasso_ops.ops import builder, reference
+from picasso_ops.ops import OpsConfig, builder, reference
 
 HYPER = {
     "sgd": {"lr": 0.1},
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cpp():
     """The C++ ops, built (or loaded from the cache) once; a missing compiler skips, a failed build fails."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which(ops.current_config().cxx) is None:
         pytest.skip("no C++ compiler")
     assert builder.load_ops(), "the C++ ops failed to build (see the warning in the log)"
     return "cpp"
@@ -369,6 +369,18 @@ def test_hash_table_state_round_trip(cpp):
 
 
 # ------------------------------------------------------------------ builder
+@pytest.fixture
+def bind_config():
+    """``bind_config(OpsConfig(...))`` binds a config for one test; the one before is bound again after it."""
+    previous = ops.configure(ops.current_config())
+
+    def bind(config):
+        ops.configure(config)
+
+    yield bind
+    ops.configure(previous)
+
+
 def _old(path, seconds):
     t = time.time() - seconds
     os.utime(path, (t, t))
@@ -417,10 +429,11 @@ def test_lock_of_live_builder_is_kept(tmp_path):
         live.wait()
 
 
-def test_build_clears_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch):
+def test_build_clears_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch, bind_config):
     """The real build path: a stale lock in the extensions dir is gone before cpp_extension.load runs."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    bind_config(OpsConfig(extensions_dir=str(tmp_path)))
     directory = builder.build_directory()
+    assert directory == tmp_path / builder.EXTENSION_NAME
     directory.mkdir(parents=True)
     lock = directory / "lock"
     lock.touch()
@@ -464,10 +477,10 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
         ops.select_backend(torch.device("cpu"), backend="cpp")
 
 
-def test_missing_compiler_detected_without_building(monkeypatch, caplog):
+def test_missing_compiler_detected_without_building(monkeypatch, caplog, bind_config):
     monkeypatch.setitem(builder._state, "loaded", False)
     monkeypatch.setitem(builder._state, "failed", None)
-    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    bind_config(OpsConfig(cxx="no-such-compiler-xyz"))
     monkeypatch.setattr(builder, "_build", lambda *a, **k: pytest.fail("must not try to build without a compiler"))
     with caplog.at_level(logging.WARNING):
         assert builder.load_ops() is False
@@ -475,18 +488,86 @@ def test_missing_compiler_detected_without_building(monkeypatch, caplog):
     assert sum("no-such-compiler-xyz" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_cuda_tensors_choose_triton_when_importable(monkeypatch, caplog):
+def test_cuda_tensors_choose_triton_when_importable(monkeypatch, caplog, bind_config):
     """The choice itself needs no GPU: CUDA float32 -> triton, else the reference with one warning."""
     cuda = torch.device("cuda")
-    monkeypatch.delenv("PICASSO_OPS_DISABLE_TRITON", raising=False)
+    bind_config(OpsConfig())
     monkeypatch.setattr(ops, "triton_available", lambda: True)
     assert ops.select_backend(cuda) == "triton"
     assert ops.select_backend(cuda, torch.float16) == "reference"
+    bind_config(OpsConfig(use_triton=False))
+    assert ops.select_backend(cuda) == "reference"
+    assert ops.select_backend(cuda, backend="triton") == "triton"  # forcing one still works
+    bind_config(OpsConfig())
     monkeypatch.setattr(ops, "triton_available", lambda: False)
     monkeypatch.setattr(ops, "_warned", set())  # the warning is once per process
     with caplog.at_level(logging.WARNING):
         assert ops.select_backend(cuda) == "reference"
     assert any("Triton is not importable" in r.getMessage() for r in caplog.records)
+
+
+def test_disabled_cpp_never_builds(monkeypatch, caplog, bind_config):
+    monkeypatch.setitem(builder._state, "loaded", False)
+    monkeypatch.setitem(builder._state, "failed", None)
+    bind_config(OpsConfig(use_cpp=False))
+    monkeypatch.setattr(builder, "_build", lambda *a, **k: pytest.fail("use_cpp=False must not build"))
+    with caplog.at_level(logging.WARNING):
+        assert builder.load_ops() is False
+    assert ops.select_backend(torch.device("cpu")) == "reference"
+    assert sum("use_cpp" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_flags_and_lock_age_come_from_the_bound_config(tmp_path, bind_config):
+    assert builder._flags(OpsConfig()) == ["-O3", "-fopenmp", "-march=native"]
+    assert builder._flags(OpsConfig(march="")) == ["-O3", "-fopenmp"]
+    lock = tmp_path / "lock"
+    lock.touch()
+    _old(lock, 120)
+    bind_config(OpsConfig(stale_lock_s=3600))
+    builder.check_lock(tmp_path, wait=False)  # 2 min old, stale after 1 h: kept
+    assert lock.exists()
+    bind_config(OpsConfig(stale_lock_s=60))
+    builder.check_lock(tmp_path, wait=False)  # stale after 1 min: removed
+    assert not lock.exists()
+
+
+def test_ops_config_from_env_is_the_only_reader_of_the_variables():
+    env = {"PICASSO_OPS_DISABLE_TRITON": "1", "PICASSO_OPS_DISABLE_CPP": "yes", "PICASSO_OPS_MARCH": "x86-64-v2",
+           "PICASSO_OPS_STALE_LOCK_S": "42", "CXX": "clang++", "TORCH_EXTENSIONS_DIR": "/tmp/ext"}
+    assert OpsConfig.from_env(env) == OpsConfig(use_triton=False, use_cpp=False, march="x86-64-v2",
+                                                stale_lock_s=42.0, cxx="clang++", extensions_dir="/tmp/ext")
+    assert OpsConfig.from_env({}) == OpsConfig()
+    assert OpsConfig.from_env({"PICASSO_OPS_DISABLE_CPP": "0", "PICASSO_OPS_DISABLE_TRITON": ""}) == OpsConfig()
+    with pytest.raises(ValueError, match="PICASSO_OPS_STALE_LOCK_S"):
+        OpsConfig.from_env({"PICASSO_OPS_STALE_LOCK_S": "ten"})
+    with pytest.raises(TypeError, match="OpsConfig"):
+        ops.configure({"use_cpp": False})
+
+
+_IMPORT_WITH_ENV_SET = """
+import os, torch
+from picasso_ops import ops
+from picasso_ops.ops import OpsConfig, builder
+assert ops.current_config() == OpsConfig(), ops.current_config()
+assert builder.DEFAULT_STALE_AFTER_S == 600.0
+assert builder.build_directory() != builder.build_directory(OpsConfig(extensions_dir="/tmp/elsewhere"))
+ops.triton_available = lambda: True
+assert ops.select_backend(torch.device("cuda")) == "triton"
+ops.configure(OpsConfig.from_env(os.environ))
+assert ops.select_backend(torch.device("cuda")) == "reference"
+assert not builder.load_ops() and ops.select_backend(torch.device("cpu")) == "reference"
+assert str(builder.build_directory()) == "/tmp/elsewhere/picasso_ops_cpu"
+print("ok")
+"""
+
+
+def test_importing_the_ops_with_the_variables_set_changes_nothing_until_configured():
+    """A fresh process with every variable set: defaults until the edge calls configure(OpsConfig.from_env(...))."""
+    env = {**os.environ, "PICASSO_OPS_DISABLE_TRITON": "1", "PICASSO_OPS_DISABLE_CPP": "1",
+           "PICASSO_OPS_MARCH": "no-such-arch", "PICASSO_OPS_STALE_LOCK_S": "5", "TORCH_EXTENSIONS_DIR": "/tmp/elsewhere"}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_WITH_ENV_SET], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_float64_weights_use_reference():

@@ -12,7 +12,7 @@ Example::
 from picasso_ops.cache.belady import belady_hit_rate
 from picasso_ops.cache.cached_table import CachedEmbeddingTable, CachePolicy, CacheStats
 from picasso_ops.cache.fields import CachedFieldEmbeddings, CacheTooSmall
-from picasso_ops.cache.store import (HostRowStore, MmapRowStore, RowSource, RowStore, StoredRows, TableRowStore,
+from picasso_ops.cache.store import (HostRowStore, MmapRowStore, RowStore, StoredRows, TableRowService, TableRowStore,
                                      check_store_ids)
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "CacheStats",
     "CachePolicy",
     "RowStore",
-    "RowSource",
+    "TableRowService",
     "StoredRows",
     "HostRowStore",
     "MmapRowStore",

@@ -58,7 +58,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +66,7 @@ from torch import Tensor, nn
 from picasso_ops.cache.slot_index import SlotIndex
 from picasso_ops.cache.store import HostRowStore, RowStore, StoredRows, check_store_ids  # HostRowStore: doc examples
 from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
+from picasso_ops.eviction import EvictionPolicy, eviction_scores, pick_victims
 from picasso_ops.vocab.dynamic_table import with_sparse_update
 from picasso_ops.vocab.hash_table import _mix
 
@@ -73,7 +74,7 @@ __all__ = ["CachedEmbeddingTable", "CacheStats", "CachePolicy"]
 
 logger = logging.getLogger(__name__)
 
-CachePolicy = Literal["lfu", "lru"]
+CachePolicy = EvictionPolicy  # the cache's policies are the shared eviction scorings
 
 
 @dataclass(frozen=True)
@@ -497,17 +498,12 @@ class CachedEmbeddingTable(nn.Module):
         return _mix(ids.unsqueeze(0) ^ self._salts) & self._sketch_mask
 
     def _evict(self, n: int, protect: Tensor) -> None:
-        """Remove ``n`` rows outside ``protect`` by the policy, writing dirty ones back."""
-        if self.policy == "lfu":
-            score = self.freq * float(self.clock + 1) + self.last_used.to(torch.float64)  # (uses, recency) order
-        else:
-            score = self.last_used.to(torch.float64)
-        score[~self._index.occupied()] = float("inf")
-        score[protect] = float("inf")
-        victims = torch.topk(score, n, largest=False, sorted=False).indices
+        """Remove ``n`` rows outside ``protect`` by the policy (``picasso_ops.eviction``), writing dirty ones back."""
+        score = eviction_scores(self.policy, self.freq, self.last_used, self.clock)
+        victims = pick_victims(score, n, occupied=self._index.occupied(), protect=protect)
         self._write_back(victims[self.dirty[victims]])
         self._index.erase(self._index.ids_of(victims))
-        self._counts["evictions"] += n
+        self._counts["evictions"] += victims.numel()
 
     def _write_back(self, slots: Tensor) -> None:
         if slots.numel() == 0:

@@ -52,6 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from picasso_ops.cache.cached_table import CachedEmbeddingTable, CachePolicy, CacheStats
 from picasso_ops.cache.store import HostRowStore, RowStore
+from picasso_ops.contracts import FieldRowPrefetcher, SparseStepModule
 from picasso_ops.distributed.comm import (ProcessGroup, all_gather_varsize, coalesce_rows, pack_rows, unpack_rows,
                                           world_info)
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
@@ -68,7 +69,7 @@ class CacheTooSmall(ValueError):
     """A lookup needed more distinct rows at once than the cache holds."""
 
 
-class CachedFieldEmbeddings(nn.Module):
+class CachedFieldEmbeddings(nn.Module, SparseStepModule, FieldRowPrefetcher):
     """One table per field, packed into one store behind a hot-row cache; ``forward`` gives ``[B, F, dim]``.
 
     Args:

@@ -1,6 +1,6 @@
 """Row stores: the slow tier behind a cache, holding every row of a table and its optimizer state.
 
-A :class:`RowStore` holds ``num_rows`` rows of width ``dim`` keyed by ids in
+A :class:`~picasso_ops.contracts.RowStore` (declared in ``picasso_ops.contracts``) holds ``num_rows`` rows of width ``dim`` keyed by ids in
 ``[0, num_rows)``, plus named optimizer-state columns per row (``state_dims``,
 e.g. ``{"momentum1": 1}`` for row-wise Adagrad). Implementations:
 
@@ -10,9 +10,9 @@ e.g. ``{"momentum1": 1}`` for row-wise Adagrad). Implementations:
   ``drop_page_cache=True`` every call ends by syncing and dropping the file's
   pages (``fdatasync``, ``madvise(MADV_DONTNEED)``, ``posix_fadvise(POSIX_FADV_DONTNEED)``)
   so each access really goes to the disk: the slow store of the benchmark.
-* :class:`TableRowStore`: an adapter over any object with
-  ``get_rows(table, ids) -> rows`` and ``put_rows(table, ids, rows)``, which
-  ``gba_engine.ps.PSClient`` has; optimizer state stays in host memory on this
+* :class:`TableRowStore`: an adapter over any
+  :class:`~picasso_ops.contracts.TableRowService` (``get_rows(table, ids) -> rows``,
+  ``put_rows(table, ids, rows)``), which ``gba_engine.ps.PSClient`` is; optimizer state stays in host memory on this
   side (the parameter server keeps its own).
 
 Stores are not thread-safe: callers serialise access (the cache makes every store call on its one I/O thread).
@@ -33,16 +33,18 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import Mapping, NamedTuple, Optional, Protocol, runtime_checkable
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from picasso_ops.contracts import RowStore, StoredRows, TableRowService
+
 __all__ = [
     "StoredRows",
     "RowStore",
-    "RowSource",
+    "TableRowService",
     "HostRowStore",
     "MmapRowStore",
     "TableRowStore",
@@ -50,58 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class StoredRows(NamedTuple):
-    """Rows read from a store: ``rows [n, dim]`` and each state column block ``[n, width]``."""
-
-    rows: Tensor
-    state: dict[str, Tensor]
-
-
-@runtime_checkable
-class RowStore(Protocol):
-    """What a cache needs from its slow tier.
-
-    Example::
-
-        >>> isinstance(HostRowStore(10, 2), RowStore)
-        True
-    """
-
-    num_rows: int
-    dim: int
-    state_dims: Mapping[str, int]
-
-    def get_rows(self, ids: Tensor) -> StoredRows:
-        """Rows and state of unique int64 ``ids``."""
-        ...
-
-    def put_rows(self, ids: Tensor, rows: Tensor, state: Optional[Mapping[str, Tensor]] = None) -> None:
-        """Overwrite rows (and state columns, when given) of unique int64 ``ids``."""
-        ...
-
-
-@runtime_checkable
-class RowSource(Protocol):
-    """A multi-table row service, e.g. ``gba_engine.ps.PSClient``.
-
-    Example::
-
-        >>> class Fake:
-        ...     def get_rows(self, table, ids): return torch.zeros(len(ids), 2)
-        ...     def put_rows(self, table, ids, rows): pass
-        >>> isinstance(Fake(), RowSource)
-        True
-    """
-
-    def get_rows(self, table: str, ids: Tensor) -> Tensor:
-        """Rows of ``table`` for ``ids``: ``ids.shape + (dim,)``."""
-        ...
-
-    def put_rows(self, table: str, ids: Tensor, rows: Tensor) -> None:
-        """Overwrite rows of ``table``."""
-        ...
 
 
 def check_store_ids(ids: Tensor, num_rows: int, what: str = "store") -> Tensor:
@@ -274,7 +224,7 @@ class MmapRowStore:
 
 
 class TableRowStore:
-    """A :class:`RowStore` over one table of a :class:`RowSource` (e.g. ``PSClient``); state kept locally.
+    """A :class:`RowStore` over one table of a :class:`TableRowService` (e.g. ``PSClient``); state kept locally.
 
     Example::
 
@@ -287,9 +237,9 @@ class TableRowStore:
         [[1.0, 1.0]]
     """
 
-    def __init__(self, source: RowSource, table: str, num_rows: int, dim: int,
+    def __init__(self, source: TableRowService, table: str, num_rows: int, dim: int,
                  state_dims: Optional[Mapping[str, int]] = None) -> None:
-        if not isinstance(source, RowSource):
+        if not isinstance(source, TableRowService):
             raise TypeError(f"source must have get_rows(table, ids) and put_rows(table, ids, rows), got {type(source)}")
         self.source, self.table = source, table
         self.num_rows, self.dim = int(num_rows), int(dim)

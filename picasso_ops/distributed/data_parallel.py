@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from picasso_ops.contracts import SparseStepModule
 from picasso_ops.distributed.comm import (
     ProcessGroup,
     all_gather_varsize,
@@ -95,7 +96,7 @@ def apply_to_packed(collection: PackedEmbeddingCollection, fn: Callable[[Tensor]
     nn.Module._apply(collection, same_dtype)
 
 
-class DataParallelEmbeddingCollection(PackedEmbeddingCollection):
+class DataParallelEmbeddingCollection(PackedEmbeddingCollection, SparseStepModule):
     """A :class:`PackedEmbeddingCollection` replicated on every rank, kept identical by a sparse global step.
 
     Args:

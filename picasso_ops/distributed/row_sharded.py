@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from picasso_ops.contracts import SparseStepModule
 from picasso_ops.distributed.comm import (
     ProcessGroup,
     all_gather_varsize,
@@ -115,7 +116,7 @@ class _PackLayout:
     dim: int
 
 
-class RowShardedEmbeddingCollection(nn.Module):
+class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
     """Packed tables sharded row-wise (``id % world_size``) over a process group.
 
     Args:

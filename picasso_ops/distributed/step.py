@@ -43,6 +43,8 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
+from picasso_ops.contracts import SparseBackwardQueue, SparseStepModule
+
 __all__ = ["sparse_modules", "sparse_step", "discard_sparse_gradients", "wait_sparse_backward", "engine_step",
            "schedule_peak_lr", "deepspeed_lr_factor", "set_sparse_lr"]
 
@@ -50,8 +52,8 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()  # one warning per scheduler type / problem, not one per step
 
 
-def sparse_modules(module: nn.Module) -> Iterator[nn.Module]:
-    """Submodules of ``module`` (itself included) that own deferred sparse tables (have ``sparse_step``).
+def sparse_modules(module: nn.Module) -> Iterator[SparseStepModule]:
+    """Submodules of ``module`` (itself included) that own deferred sparse tables (:class:`SparseStepModule`).
 
     Example::
 
@@ -59,7 +61,7 @@ def sparse_modules(module: nn.Module) -> Iterator[nn.Module]:
         []
     """
     for m in module.modules():
-        if callable(getattr(m, "sparse_step", None)) and callable(getattr(m, "discard_pending", None)):
+        if isinstance(m, SparseStepModule):
             yield m
 
 
@@ -97,9 +99,8 @@ def wait_sparse_backward(module: nn.Module) -> None:
         >>> wait_sparse_backward(nn.Linear(2, 2))  # nothing queued: returns at once
     """
     for m in module.modules():
-        wait = getattr(m, "wait_sparse_backward", None)
-        if callable(wait):
-            wait()
+        if isinstance(m, SparseBackwardQueue):
+            m.wait_sparse_backward()
 
 
 def _loss_scale(engine: Any) -> float:

@@ -190,7 +190,30 @@ class RowWiseAdagrad(SparseOptimizer):
 
 
 class LazyAdam(SparseOptimizer):
-    """Adam whose moments are read and written for touched rows only; global-step bias correction."""
+    """Lazy Adam on the touched rows of a buffer, global-step bias correction, ``eps`` outside the square root.
+
+    For each touched row (``g`` its gradient summed over the batch, ``t`` the
+    table's optimizer step, 1-based, counted over all steps whether the row was
+    touched or not):
+
+    * ``m = beta1 * m + (1 - beta1) * g``
+    * ``v = beta2 * v + (1 - beta2) * g**2``  (elementwise, ``[width]`` per row)
+    * ``w -= lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)``
+
+    Untouched rows keep ``w``, ``m`` and ``v`` unchanged (no decay of their
+    moments). No weight decay. This is FBGEMM's ``ADAM`` without weight decay;
+    ``torch.optim.SparseAdam`` differs by ``eps * sqrt(1 - beta2**t)`` (it folds
+    the bias corrections into the step size). gba_engine's server-side Adam is
+    a different formula under a different name.
+
+    Example::
+
+        >>> opt = LazyAdam(lr=0.1)
+        >>> w = torch.zeros(3, 2); st = opt.init_state(3, 2, num_logical_rows=3)
+        >>> opt.update(w, st, RowUpdate.simple(torch.tensor([2]), torch.ones(1, 2), step=1))
+        >>> round(w[2, 0].item(), 4), w[0].tolist()   # -lr * 1 / (1 + eps); row 0 untouched
+        (-0.1, [0.0, 0.0])
+    """
 
     name = "adam"
     defaults = {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}

@@ -1,5 +1,9 @@
 """Embedding table specification: one table, its pooling, its sparse optimizer and its features.
 
+This is the spec of a picasso_ops table (packed, fused sparse optimizer,
+features). A parameter-server table of gba_engine has its own spec type
+(rows, dim, init; no pooling or optimizer: the servers own those).
+
 Example::
 
     >>> from picasso_ops.embedding.spec import TableSpec

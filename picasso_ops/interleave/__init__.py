@@ -12,13 +12,11 @@ from picasso_ops.interleave.forward import InterleavedForward
 from picasso_ops.interleave.kgroups import AsyncExchange, KInterleavedRowShardedCollection, interleaved_sparse_step
 from picasso_ops.interleave.pipeline import (
     BatchPrefetcher,
-    DLRMStages,
     InterleavedTrainer,
     PipelineTimeout,
     StagedModel,
     StageError,
     ThreadPipeline,
-    WideAndDeepStages,
     stages_for,
 )
 from picasso_ops.interleave.trace import Span, Timeline, profile_to_chrome_trace
@@ -31,8 +29,6 @@ __all__ = [
     "StageError",
     "PipelineTimeout",
     "StagedModel",
-    "WideAndDeepStages",
-    "DLRMStages",
     "stages_for",
     "AsyncExchange",
     "interleaved_sparse_step",

@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from picasso_ops.contracts import FieldRowPrefetcher, SparseBackwardQueue
 from picasso_ops.data.batch import CTRBatch
 from picasso_ops.interleave.pipeline import PipelineTimeout, StagedModel, StageError, ThreadPipeline, stages_for
 from picasso_ops.interleave.streams import StageStreams, stage_streams
@@ -64,7 +65,7 @@ __all__ = ["InterleavedForward"]
 logger = logging.getLogger(__name__)
 
 
-class InterleavedForward(nn.Module):
+class InterleavedForward(nn.Module, SparseBackwardQueue):
     """A CTR model whose training forward and backward run ``micro_batches`` interleaved micro-batches.
 
     Args:
@@ -98,7 +99,7 @@ class InterleavedForward(nn.Module):
         self.stages = stages or stages_for(model)
         self.timeline = timeline or Timeline(enabled=False)
         self.timeout_s = float(timeout_s)
-        self._prefetchers = [m for m in model.modules() if callable(getattr(m, "prefetch_ids", None))]
+        self._prefetchers = [m for m in model.modules() if isinstance(m, FieldRowPrefetcher)]
         self._parts: list[CTRBatch] = []
         self._pipeline: Optional[ThreadPipeline] = None
         self._streams: StageStreams = StageStreams()  # lookup, dense, sparse; CUDA streams once a CUDA batch comes

@@ -44,20 +44,19 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from picasso_ops.contracts import StageableModel, StagedModel
 from picasso_ops.data.batch import CTRBatch
 from picasso_ops.data.prefetch import Prefetcher, PrefetchTimeout
 from picasso_ops.distributed.step import sparse_modules, sparse_step
 from picasso_ops.embedding.packed import PackedEmbeddingCollection
 from picasso_ops.interleave.streams import StageStreams, stage_streams
 from picasso_ops.interleave.trace import Timeline
-from picasso_ops.models.dlrm import DLRM
-from picasso_ops.models.wide_deep import WideAndDeep
 
 __all__ = [
     "StageError",
@@ -65,8 +64,6 @@ __all__ = [
     "ThreadPipeline",
     "BatchPrefetcher",
     "StagedModel",
-    "WideAndDeepStages",
-    "DLRMStages",
     "stages_for",
     "InterleavedTrainer",
 ]
@@ -340,75 +337,20 @@ def _timed_loads(batches: Iterator[Any], timeline: Timeline, first_index: int) -
         index += 1
 
 
-class StagedModel(Protocol):
-    """A model cut at its embeddings: ``lookup`` runs the sparse part, ``dense`` the rest on its outputs."""
-
-    def lookup(self, batch: CTRBatch) -> list[Tensor]:
-        """Embedding outputs of ``batch`` (their autograd graph leads to the tables)."""
-        ...
-
-    def dense(self, batch: CTRBatch, embedded: Sequence[Tensor]) -> Tensor:
-        """Logits ``[B]`` from the batch's dense features and the embeddings ``lookup`` returned."""
-        ...
-
-
-class WideAndDeepStages:
-    """:class:`~picasso_ops.models.WideAndDeep` cut at its two embedding modules (same math as its ``forward``).
-
-    Example::
-
-        >>> st = WideAndDeepStages(model)
-        >>> torch.allclose(st.dense(b, st.lookup(b)), model(b.dense, b.values, b.lengths))
-        True
-    """
-
-    def __init__(self, model: WideAndDeep) -> None:
-        self.model = model
-
-    def lookup(self, batch: CTRBatch) -> list[Tensor]:
-        m = self.model
-        return [m.embeddings(batch.values, batch.lengths), m.wide(batch.values, batch.lengths)]
-
-    def dense(self, batch: CTRBatch, embedded: Sequence[Tensor]) -> Tensor:
-        m, (emb, wide) = self.model, embedded
-        logit = wide.sum(dim=(1, 2)) + m.wide_dense(batch.dense).squeeze(-1)
-        if m.args.fm:
-            logit = logit + 0.5 * (emb.sum(1).pow(2) - emb.pow(2).sum(1)).sum(-1)
-        deep_in = torch.cat([emb.flatten(1), batch.dense], dim=1)
-        return logit + m.mlp(deep_in).squeeze(-1)
-
-
-class DLRMStages:
-    """:class:`~picasso_ops.models.DLRM` cut at its embeddings (same math as its ``forward``).
-
-    Example::
-
-        >>> st = DLRMStages(model); logits = st.dense(b, st.lookup(b))  # doctest: +SKIP
-    """
-
-    def __init__(self, model: DLRM) -> None:
-        self.model = model
-
-    def lookup(self, batch: CTRBatch) -> list[Tensor]:
-        return [self.model.embeddings(batch.values, batch.lengths)]
-
-    def dense(self, batch: CTRBatch, embedded: Sequence[Tensor]) -> Tensor:
-        m = self.model
-        return m.top(m.interaction(m.bottom(batch.dense), embedded[0])).squeeze(-1)
-
-
 def stages_for(model: nn.Module) -> StagedModel:
-    """The :class:`StagedModel` adapter of a reference model (``WideAndDeep`` or ``DLRM``).
+    """The :class:`StagedModel` a model cuts itself into (a :class:`~picasso_ops.contracts.StageableModel`).
+
+    The interleaving knows no concrete model: the reference models
+    (``picasso_ops.models.WideAndDeep``, ``DLRM``) declare ``pipeline_stages()``;
+    any other model is cut by the caller's ``stages=``.
 
     Example::
 
         >>> type(stages_for(packed_wide_and_deep(args, SparseArgs()))).__name__  # doctest: +SKIP
         'WideAndDeepStages'
     """
-    if isinstance(model, WideAndDeep):
-        return WideAndDeepStages(model)
-    if isinstance(model, DLRM):
-        return DLRMStages(model)
+    if isinstance(model, StageableModel):
+        return model.pipeline_stages()
     raise TypeError(f"no stage adapter for {type(model).__name__}; pass stages= (a StagedModel)")
 
 
@@ -446,8 +388,10 @@ class InterleavedTrainer:
     so dense gradients accumulate to the whole batch's; sparse row gradients
     are stored by the fused backward; then one dense ``optimizer.step()`` and
     one sparse step (``sparse_step`` of data-parallel / row-sharded tables,
-    ``step()`` of plain packed collections, which are switched to
-    ``defer_updates``). The result equals a non-interleaved step on the batch.
+    ``step()`` of plain packed collections). The trainer binds ``model``: it
+    switches the model's plain packed collections to ``defer_updates`` in place
+    (their update must wait for the step). The result equals a non-interleaved
+    step on the batch.
 
     Example::
 

@@ -4,6 +4,7 @@
     >>> model = packed_wide_and_deep(WideAndDeepArgs(vocab_sizes=[100] * 8, num_dense=4), SparseArgs())
 """
 from picasso_ops.models.dlrm import DLRM, DLRMArgs, packed_dlrm
+from picasso_ops.models.stages import DLRMStages, WideAndDeepStages
 from picasso_ops.models.wide_deep import (
     FieldEmbeddings,
     PackedFieldEmbeddings,
@@ -23,4 +24,6 @@ __all__ = [
     "DLRM",
     "DLRMArgs",
     "packed_dlrm",
+    "WideAndDeepStages",
+    "DLRMStages",
 ]

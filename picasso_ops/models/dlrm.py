@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
+from picasso_ops.models.stages import DLRMStages
 from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 
 __all__ = ["DLRMArgs", "DLRM", "DotInteraction", "packed_dlrm"]
@@ -78,13 +80,14 @@ class DotInteraction(nn.Module):
         return torch.cat([x, pairs], dim=1)
 
 
-class DLRM(nn.Module):
+class DLRM(nn.Module, StageableModel):
     """logit = top_mlp([bottom(dense), dot interactions of {bottom(dense), e_1 .. e_F}]).
 
     Args:
         args: the shape.
-        embeddings: a module mapping ``(values, lengths [F, B])`` to ``[B, F, D]``;
-            default one ``nn.EmbeddingBag`` per field (the plain baseline).
+        embeddings: a :class:`~picasso_ops.contracts.FieldEmbeddingLookup` module mapping
+            ``(values, lengths [F, B])`` to ``[B, F, D]``; default one ``nn.EmbeddingBag``
+            per field (the plain baseline).
 
     Example::
 
@@ -93,7 +96,7 @@ class DLRM(nn.Module):
         torch.Size([3])
     """
 
-    def __init__(self, args: DLRMArgs, embeddings: Optional[nn.Module] = None) -> None:
+    def __init__(self, args: DLRMArgs, embeddings: Optional[FieldEmbeddingLookup] = None) -> None:
         super().__init__()
         self.args = args
         self.embeddings = embeddings or FieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, 0.01)
@@ -105,6 +108,10 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)  # [B, D]
         return self.top(self.interaction(x, self.embeddings(values, lengths))).squeeze(-1)
+
+    def pipeline_stages(self) -> DLRMStages:
+        """This model cut at its embeddings, for ``picasso_ops.interleave`` (same math as :meth:`forward`)."""
+        return DLRMStages(self)
 
 
 def packed_dlrm(args: DLRMArgs, sparse: SparseArgs) -> DLRM:

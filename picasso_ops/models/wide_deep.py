@@ -24,10 +24,12 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import torch
 from torch import nn
 
+from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
 from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection
 from picasso_ops.embedding.spec import TableSpec
 from picasso_ops.jagged import JaggedBatch
+from picasso_ops.models.stages import WideAndDeepStages
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,13 @@ class WideAndDeepArgs:
 
 
 class FieldEmbeddings(nn.Module):
-    """One EmbeddingBag per field; ``forward`` returns pooled rows ``[B, F, dim]``."""
+    """One EmbeddingBag per field; ``forward`` returns pooled rows ``[B, F, dim]`` (a ``FieldEmbeddingLookup``).
+
+    Example::
+
+        >>> FieldEmbeddings([10, 20], 4, "sum", 0.01)(torch.tensor([1, 2, 3]), torch.tensor([[1, 1], [1, 0]])).shape
+        torch.Size([2, 2, 4])
+    """
 
     def __init__(self, vocab_sizes: list[int], dim: int, pooling: str, init_std: float):
         super().__init__()
@@ -67,10 +75,20 @@ class FieldEmbeddings(nn.Module):
         return torch.stack(pooled, dim=1)
 
 
-class WideAndDeep(nn.Module):
-    """logit = wide (per-id weights + linear dense) + FM pairwise term + MLP(embeddings, dense)."""
+class WideAndDeep(nn.Module, StageableModel):
+    """logit = wide (per-id weights + linear dense) + FM pairwise term + MLP(embeddings, dense).
 
-    def __init__(self, args: WideAndDeepArgs, embeddings: nn.Module | None = None, wide: nn.Module | None = None):
+    ``embeddings`` (``[B, F, embedding_dim]``) and ``wide`` (``[B, F, 1]``) are any
+    :class:`~picasso_ops.contracts.FieldEmbeddingLookup` (default :class:`FieldEmbeddings`).
+
+    Example::
+
+        >>> WideAndDeep(WideAndDeepArgs([5, 5], 2))(torch.zeros(3, 2), torch.arange(6) % 5, torch.ones(2, 3, dtype=torch.long)).shape
+        torch.Size([3])
+    """
+
+    def __init__(self, args: WideAndDeepArgs, embeddings: FieldEmbeddingLookup | None = None,
+                 wide: FieldEmbeddingLookup | None = None):
         super().__init__()
         self.args = args
         num_fields = len(args.vocab_sizes)
@@ -93,6 +111,10 @@ class WideAndDeep(nn.Module):
             logit = logit + 0.5 * (emb.sum(1).pow(2) - emb.pow(2).sum(1)).sum(-1)
         deep_in = torch.cat([emb.flatten(1), dense], dim=1)
         return logit + self.mlp(deep_in).squeeze(-1)
+
+    def pipeline_stages(self) -> WideAndDeepStages:
+        """This model cut at its two embedding modules, for ``picasso_ops.interleave`` (same math as :meth:`forward`)."""
+        return WideAndDeepStages(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +215,7 @@ class PackedFieldEmbeddings(nn.Module):
 
 
 def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs,
-                         field_embeddings: Optional[Callable[..., nn.Module]] = None) -> WideAndDeep:
+                         field_embeddings: Optional[Callable[..., FieldEmbeddingLookup]] = None) -> WideAndDeep:
     """:class:`WideAndDeep` whose deep and wide embeddings are packed collections.
 
     Deep tables start like the plain model's (normal, std 0.01) and wide ones at

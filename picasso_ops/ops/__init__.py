@@ -11,7 +11,9 @@ Each op has three implementations, picked per call from the tensors' device:
   the kernels are unavailable.
 
 ``backend=`` forces one (tests run the Triton kernels on CPU with
-``TRITON_INTERPRET=1`` this way). The C++ and Triton ops release the GIL and
+``TRITON_INTERPRET=1`` this way). Which kernels may be used and how the C++
+ops are built comes from the process's :class:`OpsConfig`, bound by
+:func:`configure` at the edge (the ops never read the environment). The C++ and Triton ops release the GIL and
 run on torch's intra-op threads, so other Python threads (data loading, an
 interleaved micro-batch) proceed meanwhile.
 
@@ -33,17 +35,20 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import os
 from typing import Literal, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from picasso_ops.ops import reference
+from picasso_ops.ops.config import OpsConfig, configure, current_config
 
 __all__ = [
     "Backend",
     "HashTable",
+    "OpsConfig",
+    "configure",
+    "current_config",
     "advise_hugepages",
     "output_pool_stats",
     "packed_backward_update",
@@ -95,7 +100,7 @@ def select_backend(device: torch.device, dtype: torch.dtype = torch.float32, bac
     if dtype != torch.float32:
         return "reference"  # the kernels are float32; other dtypes are rare enough for the reference
     if device.type == "cuda":
-        if triton_available() and os.environ.get("PICASSO_OPS_DISABLE_TRITON", "") in ("", "0"):
+        if triton_available() and current_config().use_triton:
             return "triton"
         _warn_once(
             "triton",

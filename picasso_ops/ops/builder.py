@@ -2,14 +2,19 @@
 
 The ops in ``csrc/`` are compiled with ``torch.utils.cpp_extension.load`` on
 first use and registered with ``torch.library`` under ``torch.ops.picasso``.
-The build is cached in ``$TORCH_EXTENSIONS_DIR`` (default
+The build is cached in ``OpsConfig.extensions_dir`` (default
 ``~/.cache/torch_extensions/py<ver>_cpu/picasso_ops_cpu``) and reused while the
-sources and flags are unchanged; ninja rebuilds only what changed.
+sources and flags are unchanged; ninja rebuilds only what changed. The
+compiler, ``-march`` and the stale-lock age come from the process's
+:class:`~picasso_ops.ops.config.OpsConfig` (:func:`picasso_ops.ops.configure`);
+the builder reads no environment variable itself, except in :func:`main`, the
+command-line edge, which binds ``OpsConfig.from_env(os.environ)``.
 
 torch serialises builds with a ``lock`` file in that folder and waits for it
 forever; a build killed midway leaves the file behind, and every later build
 hangs (seen on our machines). Before building, :func:`check_lock` looks at the
-lock: each builder writes ``builder.<host>.<pid>`` next to it while it runs, so
+lock (:func:`lock_staleness` is the one test of staleness, also used by
+``sparse_scale.prebuild`` for DeepSpeed's builds): each builder writes ``builder.<host>.<pid>`` next to it while it runs, so
 a lock with no live builder on this host that is older than
 ``stale_after_s`` (or whose recorded builder is dead) is stale. A stale lock is
 removed with a warning naming it, or, with ``clear_stale=False``, reported as a
@@ -46,12 +51,15 @@ from typing import Optional
 
 import torch
 
+from picasso_ops.ops.config import OpsConfig, configure, current_config
+
 __all__ = [
     "EXTENSION_NAME",
     "SOURCES",
     "StaleLockError",
     "build_directory",
     "check_lock",
+    "lock_staleness",
     "load_ops",
     "ops_available",
     "reset",
@@ -68,7 +76,7 @@ SOURCES: tuple[Path, ...] = (
     _CSRC / "output_pool.cpp",
 )
 # a cold build of the three files takes 1-3 minutes on a busy 2-core box; 10 leaves a wide margin
-DEFAULT_STALE_AFTER_S = float(os.environ.get("PICASSO_OPS_STALE_LOCK_S", 600))
+DEFAULT_STALE_AFTER_S = OpsConfig().stale_lock_s
 _POLL_S = 2.0
 
 _lock = threading.Lock()
@@ -86,15 +94,17 @@ class StaleLockError(RuntimeError):
         )
 
 
-def build_directory() -> Path:
-    """Where the extension is built and cached (respects ``TORCH_EXTENSIONS_DIR``).
+def build_directory(config: Optional[OpsConfig] = None) -> Path:
+    """Where the extension is built and cached (``config.extensions_dir``; default: the bound config's).
 
     Example::
 
         >>> build_directory().name
         'picasso_ops_cpu'
+        >>> str(build_directory(OpsConfig(extensions_dir="/tmp/ext")))
+        '/tmp/ext/picasso_ops_cpu'
     """
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = (current_config() if config is None else config).extensions_dir
     if root is None:
         from torch.utils.cpp_extension import get_default_build_root
 
@@ -127,35 +137,57 @@ def _builders(directory: Path) -> tuple[list[Path], list[Path]]:
     return live, dead
 
 
+def lock_staleness(directory: Path, stale_after_s: float, now: Optional[float] = None
+                   ) -> tuple[Optional[float], list[Path]]:
+    """``(age_s, dead_markers)`` of the build ``lock`` in ``directory`` when it is stale, else ``(None, [])``.
+
+    Stale: no live ``builder.<host>.<pid>`` marker of this host, and the lock
+    is older than ``stale_after_s`` or a marker names a builder known dead.
+    No lock is not stale. Reads the folder only.
+
+    Example::
+
+        >>> lock_staleness(Path("/nonexistent/dir"), 600.0)
+        (None, [])
+    """
+    lock = Path(directory) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None, []
+    live, dead = _builders(Path(directory))
+    if not live and (age > stale_after_s or dead):
+        return age, dead
+    return None, []
+
+
 def check_lock(
     directory: Optional[Path] = None,
     *,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    stale_after_s: Optional[float] = None,
     clear_stale: bool = True,
     wait: bool = True,
 ) -> None:
     """Make sure the build ``lock`` in ``directory`` will not block a build forever.
 
     No lock: return. A lock held by a live builder (a live ``builder.<host>.<pid>``
-    marker, or a lock younger than ``stale_after_s``): wait for it to go
-    (``wait=False``: return at once). A stale lock (no live builder and either
-    older than ``stale_after_s`` or left by a builder that is known dead):
-    remove it with a warning, or raise :class:`StaleLockError` naming it when
-    ``clear_stale`` is false.
+    marker, or a lock younger than ``stale_after_s``, default the bound
+    ``OpsConfig.stale_lock_s``): wait for it to go (``wait=False``: return at
+    once). A stale lock (:func:`lock_staleness`): remove it with a warning, or
+    raise :class:`StaleLockError` naming it when ``clear_stale`` is false.
 
     Example::
 
         >>> check_lock(Path("/nonexistent/dir"))  # no lock: nothing to do
     """
     directory = build_directory() if directory is None else Path(directory)
+    stale_after_s = current_config().stale_lock_s if stale_after_s is None else stale_after_s
     lock = directory / "lock"
     while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
+        if not lock.exists():
             return
-        live, dead = _builders(directory)
-        if not live and (age > stale_after_s or dead):
+        age, dead = lock_staleness(directory, stale_after_s)
+        if age is not None:
             if not clear_stale:
                 raise StaleLockError(lock, age)
             logger.warning(
@@ -172,25 +204,25 @@ def check_lock(
         time.sleep(_POLL_S)
 
 
-def _compiler() -> Optional[str]:
-    cxx = os.environ.get("CXX", "c++")
-    return shutil.which(cxx)
+def _compiler(config: OpsConfig) -> Optional[str]:
+    return shutil.which(config.cxx)
 
 
-def _flags() -> list[str]:
+def _flags(config: OpsConfig) -> list[str]:
     # -fopenmp: at::parallel_for is inlined into our code and uses torch's OpenMP runtime
     flags = ["-O3", "-fopenmp"]
-    # -march=native as DeepSpeed's CPU ops do; PICASSO_OPS_MARCH=x86-64-v2 (or "") for images built elsewhere
-    march = os.environ.get("PICASSO_OPS_MARCH", "native")
+    # -march=native as DeepSpeed's CPU ops do; OpsConfig.march = "x86-64-v2" (or "") for images built elsewhere
+    march = config.march
     if march:
         flags.append(f"-march={march}")
     return flags
 
 
-def _build(verbose: bool, stale_after_s: float, clear_stale: bool) -> None:
+def _build(verbose: bool, stale_after_s: float, clear_stale: bool, config: Optional[OpsConfig] = None) -> None:
     from torch.utils.cpp_extension import load
 
-    directory = build_directory()
+    config = current_config() if config is None else config
+    directory = build_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
     check_lock(directory, stale_after_s=stale_after_s, clear_stale=clear_stale)
     marker = directory / f"builder.{socket.gethostname()}.{os.getpid()}"
@@ -199,7 +231,7 @@ def _build(verbose: bool, stale_after_s: float, clear_stale: bool) -> None:
         load(
             name=EXTENSION_NAME,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=_flags(),
+            extra_cflags=_flags(config),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
@@ -210,12 +242,13 @@ def _build(verbose: bool, stale_after_s: float, clear_stale: bool) -> None:
 
 
 def load_ops(
-    *, verbose: bool = False, stale_after_s: float = DEFAULT_STALE_AFTER_S, clear_stale: bool = True
+    *, verbose: bool = False, stale_after_s: Optional[float] = None, clear_stale: bool = True
 ) -> bool:
     """Build (or load the cached build of) the C++ ops once per process; ``True`` when they are usable.
 
-    On failure (no compiler, compile error, ``PICASSO_OPS_DISABLE_CPP=1``) logs
-    one warning and returns ``False`` from then on; callers use the reference
+    Builds with the bound :class:`OpsConfig` (``stale_after_s`` defaults to its
+    ``stale_lock_s``). On failure (no compiler, compile error,
+    ``OpsConfig.use_cpp`` false) logs one warning and returns ``False`` from then on; callers use the reference
     path. A :class:`StaleLockError` (``clear_stale=False``) is raised, not
     swallowed, since the user must act on it.
 
@@ -233,20 +266,23 @@ def load_ops(
         if _state["loaded"] or _state["failed"] is not None:
             return bool(_state["loaded"])
         reason = None
-        if os.environ.get("PICASSO_OPS_DISABLE_CPP", "") not in ("", "0"):
-            reason = "PICASSO_OPS_DISABLE_CPP is set"
-        elif _compiler() is None:
-            reason = f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)"
+        config = current_config()
+        if not config.use_cpp:
+            reason = "the C++ ops are turned off (OpsConfig.use_cpp is False, e.g. PICASSO_OPS_DISABLE_CPP is set)"
+        elif _compiler(config) is None:
+            reason = f"no C++ compiler ({config.cxx!r} is not on PATH)"
         else:
             started = time.perf_counter()
+            stale_s = config.stale_lock_s if stale_after_s is None else stale_after_s
             try:
-                _build(verbose, stale_after_s, clear_stale)
+                _build(verbose, stale_s, clear_stale, config)
             except StaleLockError:
                 raise
             except Exception as exc:  # a broken toolchain must not stop training: fall back, once, loudly
                 reason = f"building the C++ ops failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
             else:
-                logger.info("picasso C++ ops ready in %.1f s (%s)", time.perf_counter() - started, build_directory())
+                logger.info("picasso C++ ops ready in %.1f s (%s)", time.perf_counter() - started,
+                            build_directory(config))
         if reason is not None:
             _state["failed"] = reason
             logger.warning(
@@ -271,7 +307,10 @@ def reset() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m picasso_ops.ops.builder --prebuild``: build now, report where, exit 1 on failure."""
+    """``python -m picasso_ops.ops.builder --prebuild``: build now, report where, exit 1 on failure.
+
+    The command-line edge: binds ``OpsConfig.from_env(os.environ)`` before anything else.
+    """
     parser = argparse.ArgumentParser(prog="python -m picasso_ops.ops.builder", description=__doc__.split("\n")[0])
     parser.add_argument("--prebuild", action="store_true", help="compile the C++ ops into the torch extensions cache")
     parser.add_argument("--check-lock", action="store_true", help="report (and with --clear, remove) a stale build lock")
@@ -279,6 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure(OpsConfig.from_env(os.environ))
     if args.check_lock:
         try:
             check_lock(clear_stale=args.clear, wait=False)

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
+from picasso_ops.eviction import eviction_scores, pick_victims
 from picasso_ops.vocab.hash_table import IdHashTable, _mix
 
 __all__ = ["DynamicEmbeddingTable", "VocabStats", "Eviction", "FullPolicy", "with_sparse_update", "hashed_init"]
@@ -65,7 +66,6 @@ logger = logging.getLogger(__name__)
 
 Eviction = Literal["lfu", "lru", "ttl"]
 FullPolicy = Literal["evict", "reject"]
-_BIG = torch.iinfo(torch.int64).max
 
 
 @dataclass(frozen=True)
@@ -355,20 +355,14 @@ class DynamicEmbeddingTable(nn.Module):
             self._totals["expired"] += dead.numel()
 
     def _evict(self, n: int, protect: Tensor) -> None:
-        """Remove up to ``n`` rows not in ``protect``, chosen by the eviction order."""
-        if self.eviction == "lfu":
-            # fewest lookups first, then least recent: freq * (clock + 1) + last_seen orders by (freq, last_seen)
-            score = self.freq * (self.step_count + 1) + self.last_seen
-        else:
-            score = self.last_seen.clone()
-        score[~self._index.occupied()] = _BIG
-        score[protect] = _BIG
-        n = min(n, int((score < _BIG).sum()))
-        if n <= 0:
+        """Remove up to ``n`` rows not in ``protect``, chosen by the eviction order (``picasso_ops.eviction``)."""
+        policy = "lfu" if self.eviction == "lfu" else "lru"  # "ttl" rows expire by age; a full table drops the oldest
+        score = eviction_scores(policy, self.freq, self.last_seen, self.step_count)
+        victims = pick_victims(score, n, occupied=self._index.occupied(), protect=protect)
+        if victims.numel() == 0:
             return
-        victims = torch.topk(score, n, largest=False, sorted=False).indices
         self._index.erase(self._index.ids_of(victims))
-        self._totals["evicted"] += n
+        self._totals["evicted"] += victims.numel()
 
     # ---------------------------------------------------------------- checkpoints
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

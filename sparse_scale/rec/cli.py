@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -135,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    from picasso_ops.ops import OpsConfig, configure
+
+    configure(OpsConfig.from_env(os.environ))  # the edge: PICASSO_OPS_* are read here, once, for this process
     try:
         train(args)
     except RecJobError as exc:
