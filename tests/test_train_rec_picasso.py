@@ -40,19 +40,21 @@ def _run(rank: int, world_size: int, argv: list[str]) -> dict:
         built["model"] = original(job)
         return built["model"]
 
-    original_prefetched = train_rec.RecJob._prefetched
+    from sparse_scale.rec import data
 
-    def prefetched(self, stream):  # the training stream train_rec reads, and the source below a prefetcher
-        built["source"], built["stream"] = stream, original_prefetched(self, stream)
+    original_prefetched = data.prefetched
+
+    def prefetched(stream, depth, rank):  # the training stream train_rec reads, and the source below a prefetcher
+        built["source"], built["stream"] = stream, original_prefetched(stream, depth, rank)
         return built["stream"]
 
     train_rec.build_model = build_model
-    train_rec.RecJob._prefetched = prefetched
+    data.prefetched = prefetched
     try:
         summary = train_rec.train(train_rec.parse_args(argv))
     finally:
         train_rec.build_model = original
-        train_rec.RecJob._prefetched = original_prefetched
+        data.prefetched = original_prefetched
     state = {k: v.detach().numpy().copy() for k, v in built["model"].state_dict().items()}
     keep = ("auc", "log_loss", "steps", "samples", "checkpoint", "picasso")
     stream = built["stream"]
@@ -213,10 +215,13 @@ def test_prefetched_file_stream_resumes_exactly(tmp_path):
 
 def _build(tmp_path, block: dict):
     """RecJob + build_model in this process (no ranks needed to build)."""
-    train_rec = _train_rec()
+    from sparse_scale.rec.cli import job_config
+    from sparse_scale.rec.job import RecJob
+    from sparse_scale.rec.model import build_model
+
     cfg = _config(tmp_path, block)
-    args = train_rec.parse_args([*SMALL, "--config", cfg, "--out", str(tmp_path / "out")])
-    return train_rec.build_model(train_rec.RecJob(args, 0, 1))
+    args = _train_rec().parse_args([*SMALL, "--config", cfg, "--out", str(tmp_path / "out")])
+    return build_model(RecJob.build(job_config(args), 0, 1))
 
 
 @pytest.mark.parametrize("extra,key", [
@@ -225,7 +230,9 @@ def _build(tmp_path, block: dict):
     ({"cache": {"rows": 100}, "sharding": "row_wise"}, r"picasso\.cache with picasso\.sharding"),
 ])
 def test_bad_cache_values_name_the_key(tmp_path, extra, key):
-    with pytest.raises(SystemExit, match=key) as err:
+    from sparse_scale.rec.config import RecJobError
+
+    with pytest.raises(RecJobError, match=key) as err:
         _build(tmp_path, {**BLOCK, **extra})
     assert "cfg.json" in str(err.value)  # and the file
 
