@@ -103,12 +103,12 @@ def _worker(rt: Any, cfg: dict[str, int], specs: list) -> dict[str, Any]:
 def job(rank: int, world_size: int, cfg: dict[str, int]) -> dict[str, Any]:
     """Rank 0 trains (the worker), rank 1 serves the three tables."""
     from gba_engine import GBAConfig, OptimizerSpec, ParameterServer, init_runtime
-    from gba_engine.ps import EmbeddingSpec
+    from gba_engine.ps import ServerTableSpec
     from picasso_ops.vocab.dynamic_table import hashed_init
 
     torch.set_num_threads(1)
     gba = GBAConfig(mode="gba", num_servers=1, timeout_s=60, heartbeat_s=0.2)
-    specs = [EmbeddingSpec(name, cfg["vocab"], cfg["dim"]) for name in RUNS]
+    specs = [ServerTableSpec(name, cfg["vocab"], cfg["dim"]) for name in RUNS]
     rt = init_runtime(gba)
     try:
         if rt.is_server:  # a pure row store: nothing is pushed, so its optimizer never runs

@@ -30,7 +30,6 @@ _EXPORTS = {
     "TokenStats": "tokens",
     "grads_per_update": "tokens",
     "DenseSharding": "ps",
-    "EmbeddingSpec": "ps",
     "ServerTableSpec": "ps",
     "Layout": "ps",
     "OptimizerSpec": "ps",

@@ -76,7 +76,7 @@ def _check_server_tables(out: Path, summary: dict) -> None:
     import torch
 
     from gba_engine.checkpoint import load_tables
-    from gba_engine.ps import EmbeddingSpec
+    from gba_engine.ps import ServerTableSpec
     from picasso_ops.models import WideAndDeep, WideAndDeepArgs
 
     plain = WideAndDeep(WideAndDeepArgs([200] * 26, num_dense=13, embedding_dim=16))
@@ -87,7 +87,7 @@ def _check_server_tables(out: Path, summary: dict) -> None:
     saved = load_tables(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), 0, 1)
     assert len(saved) == 52 and saved["deep0"]["weight"].shape == (200, 16) and saved["wide25"]["weight"].shape == (200, 1)
     assert saved["deep0"]["steps"] == 24  # one update per global batch of the job, in every mode
-    start = EmbeddingSpec("deep0", 200, 16, init_std=0.01, seed=1234 * 100_003).initial_shard(0, 1)
+    start = ServerTableSpec("deep0", 200, 16, init_std=0.01, seed=1234 * 100_003).initial_shard(0, 1)
     moved = (saved["deep0"]["weight"] - start).abs().amax(dim=1) > 0
     assert 0 < int(moved.sum()) < 200  # the rows the batches touched were trained, the others kept their start
 

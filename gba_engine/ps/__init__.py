@@ -17,11 +17,11 @@ from .client import PSClient, PSStalledError, Pulled, Token
 from .optim import LazyAdagrad, LazySGD, LazyTorchAdam, OptimizerSpec, RowOptimizer
 from .runtime import Layout, Liveness, PSConnectionError, PSRuntime, init_runtime, join_runtime, layout, read_layout
 from .server import ParameterServer, ServeStats, ShardState
-from .sharding import DenseSharding, EmbeddingSpec, RowRoute, ServerTableSpec
+from .sharding import DenseSharding, RowRoute, ServerTableSpec
 from .wire import Header, Kind, ProtocolError
 
 __all__ = [
-    "DenseSharding", "EmbeddingSpec", "Header", "Kind", "LazyAdagrad", "LazySGD", "LazyTorchAdam", "Layout",
+    "DenseSharding", "Header", "Kind", "LazyAdagrad", "LazySGD", "LazyTorchAdam", "Layout",
     "Liveness", "OptimizerSpec", "PSClient", "PSConnectionError", "PSRuntime", "PSStalledError",
     "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ServerTableSpec",
     "ShardState", "Token", "init_runtime", "join_runtime", "layout", "read_layout",

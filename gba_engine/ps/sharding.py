@@ -88,7 +88,6 @@ class ServerTableSpec:
             )
 
 
-EmbeddingSpec = ServerTableSpec  # the former name, kept for callers outside gba_engine
 
 
 @dataclasses.dataclass(frozen=True)
