@@ -11,26 +11,48 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_va
 from sparse_scale.base.blocks import StrictBlock
 
 
-
 class StalenessConfig(StrictBlock):
     """How gradients computed on an old model version are weighed."""
 
-    threshold: int = Field(4, ge=0)
+    threshold: int = Field(
+        4, ge=0, description="Staleness tau = version now - token (in model versions) up to which a gradient keeps "
+                             "its full weight; above it the weight falls as decay says.")
     # "drop" by default: the paper's token control discards severely stale gradients outright.
-    decay: Literal["drop", "inverse", "exponential"] = "drop"
-    rate: PositiveFloat = 0.5  # base of the exponential decay
+    decay: Literal["drop", "inverse", "exponential"] = Field(
+        "drop", description='Weight above threshold, with excess = tau - threshold: "drop" 0 (the gradient does not '
+                            'count toward M), "inverse" 1 / (1 + excess), "exponential" rate ** excess.')
+    rate: PositiveFloat = Field(
+        0.5, description='Base of the exponential decay, weight = rate ** (tau - threshold); read only by decay '
+                         '"exponential", which needs rate < 1.')
+
+    @model_validator(mode="after")
+    def _decaying_rate(self) -> "StalenessConfig":
+        """decay "exponential" needs rate < 1 (rate >= 1 would never decay)."""
+        if self.decay == "exponential" and self.rate >= 1.0:
+            raise ValueError(f"decay 'exponential' needs 0 < rate < 1 (rate >= 1 would never decay), got {self.rate!r}")
+        return self
 
 
 class SwitchConfig(StrictBlock):
     """The straggler detector that drives ``mode: auto``."""
 
-    slow_ratio: float = Field(1.5, gt=1.0)  # a worker is slow above ratio x the median step time
-    recover_ratio: float = Field(1.2, gt=1.0)  # hysteresis: back to sync below this
-    window: PositiveInt = 8  # step times per worker in the robust statistic
-    min_dwell_steps: PositiveInt = 20
+    slow_ratio: float = Field(
+        1.5, gt=1.0, description="A worker turns slow when the median of its last window step times exceeds "
+                                 "slow_ratio x the reference (the lower median of the workers' medians) by more "
+                                 "than 3 scaled MADs of its own jitter.")
+    recover_ratio: float = Field(
+        1.2, gt=1.0, description="A slow worker recovers when its median step time falls below recover_ratio x the "
+                                 "reference (hysteresis); auto goes back to sync when no worker is slow.")
+    window: PositiveInt = Field(  # step times per worker in the robust statistic
+        8, description="Recent step times per worker whose median and MAD the detector compares; no switch before "
+                       "this many steps are seen.")
+    min_dwell_steps: PositiveInt = Field(
+        20, description="Steps that must pass after a mode switch before the next one, so the job does not flap "
+                        "between modes.")
 
     @model_validator(mode="after")
     def _hysteresis(self) -> "SwitchConfig":
+        """recover_ratio must be below slow_ratio"""
         if self.recover_ratio >= self.slow_ratio:
             raise ValueError(f"recover_ratio={self.recover_ratio} must be below slow_ratio={self.slow_ratio}")
         return self
@@ -39,18 +61,31 @@ class SwitchConfig(StrictBlock):
 class GBAConfig(StrictBlock):
     """Validated ``"gba"`` block."""
 
-    mode: Literal["sync", "gba", "auto"] = "sync"
-    num_servers: PositiveInt = 1
-    staleness: StalenessConfig = StalenessConfig()
-    switch: SwitchConfig = SwitchConfig()
-    timeout_s: PositiveFloat = 60.0
-    heartbeat_s: PositiveFloat = 2.0
-    # None: fully asynchronous GBA; k: a worker's n-th pull of a phase waits for version >= start + n - k
-    # (bounded staleness, SSP-style); 0 is lockstep, where a gba step equals a sync step exactly.
-    max_lead: NonNegativeInt | None = None
-    # Gradients the servers aggregate per update (M). None: one per worker, i.e. the sync global
-    # batch, which is GBA's tuning-free setting; 1 is plain asynchronous PS training.
-    grads_per_update: PositiveInt | None = None
-    # Where the first server writes HOST:PORT of the control plane, for a restarted worker to rejoin
-    # (gba_engine.rejoin); None: not written (the address is still logged by the first server).
-    control_file: str | None = None
+    mode: Literal["sync", "gba", "auto"] = Field(
+        "sync", description='Training mode: "sync" DeepSpeed\'s all-reduce over the workers, "gba" global-batch '
+                            'gradient aggregation on the parameter servers, "auto" starts in sync and switches '
+                            'between the two as the straggler detector (switch) decides.')
+    num_servers: PositiveInt = Field(
+        1, description="Parameter-server ranks, the last num_servers of the launch (the other ranks are workers); "
+                       "they hold the dense parameters' shards in gba phases and the server tables' rows (row id on "
+                       "server id % num_servers).")
+    staleness: StalenessConfig = Field(
+        StalenessConfig(), description="How gradients computed on an old model version are weighed.")
+    switch: SwitchConfig = Field(SwitchConfig(), description="The straggler detector that drives ``mode: auto``.")
+    timeout_s: PositiveFloat = Field(
+        60.0, description="Deadline in seconds of every wait on the control plane and on a server reply; a peer that "
+                          "dies or stops answering raises PSConnectionError naming the ranks.")
+    heartbeat_s: PositiveFloat = Field(
+        2.0, description="Period in seconds of each rank's heartbeat; a rank whose heartbeat did not move for 5 "
+                         "periods (the lease) is presumed lost.")
+    max_lead: NonNegativeInt | None = Field(
+        None, description="None: fully asynchronous GBA; k: a worker's n-th pull of a phase waits for version >= "
+                          "start + n - k (bounded staleness, SSP-style); 0 is lockstep, where a gba step equals a "
+                          "sync step exactly.")
+    grads_per_update: PositiveInt | None = Field(
+        None, description="Gradients the servers aggregate per update (M); None: one per worker, i.e. the sync "
+                          "global batch, which is GBA's tuning-free setting; 1 is plain asynchronous PS training.")
+    control_file: str | None = Field(
+        None, description="Where the first server writes HOST:PORT of the control plane, for a restarted worker to "
+                          "rejoin (gba_engine.rejoin); None: not written (the address is still logged by the first "
+                          "server).")

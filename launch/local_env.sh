@@ -12,5 +12,8 @@ export MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo
 # One BLAS/OpenMP thread pool per core share, instead of every rank using every core.
 CORES=$(nproc)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}
-# The in-repo packages import even from a checkout without `pip install -e .` (no script edits the import path).
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# The packages come from the installed project (make venv / pip install -e .), never from an edited import path.
+# (checked from / : python -c would also find the packages in the current folder, an entry script would not)
+py=$(command -v "$PYTHON") || py=$PYTHON; [[ "$py" == /* ]] || py="$PWD/$py"
+(cd / && "$py" -c "import sparse_scale" 2>/dev/null) \
+    || { echo "$0: $PYTHON cannot import sparse_scale: install the project first (make venv, or pip install -e .)" >&2; exit 2; }

@@ -14,22 +14,43 @@ from sparse_scale.base.blocks import StrictBlock
 class MoEProtoConfig(StrictBlock):
     """Validated ``"moe_proto"`` block."""
 
-
-    num_experts: PositiveInt
-    num_prototypes: PositiveInt = 1
-    top_k: PositiveInt = 1  # routes per prototype
-    capacity_factor: PositiveFloat = 1.25
-    eval_capacity_factor: PositiveFloat = 2.0
-    min_capacity: int = Field(4, ge=0)
-    dropless: bool = False
-    drop_policy: Literal["probs", "position"] = "probs"
-    ep_size: PositiveInt = 1
-    aux_loss_coef: float = Field(0.01, ge=0.0)
-    z_loss_coef: float = Field(0.0, ge=0.0)
-    moe_every: PositiveInt = 2  # an MoE FFN every n transformer layers
+    num_experts: PositiveInt = Field(
+        description="Experts E of each MoE FFN layer, over all prototypes and expert-parallel ranks together.")
+    num_prototypes: PositiveInt = Field(
+        1, description="Expert prototypes P: the E experts form P groups of E/P consecutive experts, each routes every "
+                       "token among its own experts, and the P outputs are summed (1: plain top-k routing).")
+    top_k: PositiveInt = Field(
+        1, description="Routes per token within each prototype, so a token has num_prototypes x top_k routes.")
+    capacity_factor: PositiveFloat = Field(
+        1.25, description="Training capacity multiplier: each expert keeps at most C = max(ceil(capacity_factor x "
+                          "routes per token x tokens / num_experts), min_capacity) routes (unused when dropless).")
+    eval_capacity_factor: PositiveFloat = Field(
+        2.0, description="Capacity multiplier used in eval mode in place of capacity_factor (unused when dropless).")
+    min_capacity: int = Field(4, ge=0,
+                              description="Lower bound on each expert's capacity C, in routes (rows), whatever the "
+                                          "capacity factor gives.")
+    dropless: bool = Field(
+        False, description="Keep every route: no capacity limit and no drops (the capacity factors and drop_policy "
+                           "are then unused).")
+    drop_policy: Literal["probs", "position"] = Field(
+        "probs", description='Which routes an expert over capacity keeps: "probs" those with the highest gate '
+                             'probability, "position" those of the lowest token indices (ties: lower token index).')
+    ep_size: PositiveInt = Field(
+        1, description="Expert-parallel size: each rank holds num_experts / ep_size experts of every MoE layer and "
+                       "the routed rows travel by all-to-all within DeepSpeed's expert groups (1: off).")
+    aux_loss_coef: float = Field(
+        0.01, ge=0.0, description="Weight of the MoE layers' l_aux (load-balancing loss plus any z-loss) in the LM's "
+                                  "training loss: cross-entropy + aux_loss_coef x the sum over MoE layers.")
+    z_loss_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the router z-loss (mean over tokens of logsumexp(router logits)^2, "
+                                 "ST-MoE) added to each MoE layer's l_aux (0: off).")
+    moe_every: PositiveInt = Field(
+        2, description="An MoE FFN every n transformer layers: layer i (0-based) has one when (i + 1) % moe_every "
+                       "== 0, the others a dense FFN.")
 
     @model_validator(mode="after")
     def _divisible(self) -> "MoEProtoConfig":
+        """num_experts must be divisible by num_prototypes and by ep_size; top_k <= num_experts // num_prototypes."""
         if self.num_experts % self.num_prototypes:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by num_prototypes={self.num_prototypes}")
         if self.num_experts % self.ep_size:

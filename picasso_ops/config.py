@@ -12,7 +12,6 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from sparse_scale.base.blocks import StrictBlock
 
 
-
 class SparseOptimizerConfig(StrictBlock):
     """The optimizer fused into the embedding backward (dense layers use DeepSpeed's).
 
@@ -27,21 +26,45 @@ class SparseOptimizerConfig(StrictBlock):
         'constant'
     """
 
-    type: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
-    lr: PositiveFloat = 0.05
-    lr_schedule: Literal["deepspeed", "constant"] = "deepspeed"
-    eps: PositiveFloat = 1e-8
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    type: Literal["sgd", "rowwise_adagrad", "adam"] = Field(
+        "rowwise_adagrad",
+        description='The tables\' optimizer, run on the touched rows inside the fused backward: "sgd", '
+                    '"rowwise_adagrad" (one accumulator per row: the mean squared gradient over the row) or lazy '
+                    '"adam" (moments of touched rows only, bias correction by the global step).')
+    lr: PositiveFloat = Field(
+        0.05, description='The tables\' learning rate: constant with lr_schedule "constant", the peak that '
+                          'DeepSpeed\'s schedule scales at each step with "deepspeed".')
+    lr_schedule: Literal["deepspeed", "constant"] = Field(
+        "deepspeed",
+        description='"deepspeed": the tables run at lr x DeepSpeed\'s lr of that step / its schedule\'s peak '
+                    '(lr throughout without a scheduler); "constant": always lr.')
+    eps: PositiveFloat = Field(
+        1e-8, description="Term added to the square root in the update's denominator by rowwise_adagrad and adam "
+                          "(sgd ignores it).")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0,
+                         description="Decay rate of lazy adam's first-moment estimate per step (only adam reads it).")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0,
+                         description="Decay rate of lazy adam's second-moment (squared gradient) estimate per step "
+                                     "(only adam reads it).")
 
 
 class CacheConfig(StrictBlock):
     """A fixed-capacity fast tier of hot rows in front of a slower store."""
 
-    rows: PositiveInt
-    policy: Literal["lfu", "lru"] = "lfu"
-    store: Literal["memory", "mmap", "ps"] = "memory"
-    prefetch: bool = True
+    rows: PositiveInt = Field(
+        description="Capacity of the cache in rows per packed table (wide-and-deep: the deep embeddings and the wide "
+                    "weights each), optimizer state included; at most the table's rows, and at least one "
+                    "(micro-)batch's distinct rows on a rank.")
+    policy: Literal["lfu", "lru"] = Field(
+        "lfu", description='Eviction policy among the rows the batch does not use: "lfu" evicts the least used '
+                           '(counts aged so once-hot rows fade), "lru" the least recently used.')
+    store: Literal["memory", "mmap", "ps"] = Field(
+        "memory", description='Where the rows behind the cache live: "memory" host tensors, "mmap" a file per rank '
+                              'and table under OUT/picasso_cache/, "ps" gba_engine\'s parameter servers (refused by '
+                              'the rec job).')
+    prefetch: bool = Field(
+        True, description="Read the next micro-batch's missing rows from the store while the current one computes; "
+                          "it has an effect only with interleave.micro_batches > 1.")
 
 
 class InterleaveConfig(StrictBlock):
@@ -57,16 +80,33 @@ class InterleaveConfig(StrictBlock):
     on where a core is free during the step (GPU hosts, CPU hosts with cores to spare).
     """
 
-    micro_batches: PositiveInt = 1
-    prefetch_batches: int = Field(0, ge=0, le=64)
+    micro_batches: PositiveInt = Field(
+        1, description="Micro-batches K each batch is split into, whose lookups, dense compute and embedding "
+                       "backwards overlap on threads (1: off; results equal K = 1 up to float rounding).")
+    prefetch_batches: int = Field(
+        0, ge=0, le=64,
+        description="Training batches a background thread reads ahead of the step (0: off); the same batches "
+                    "arrive in the same order, so the weights are the same bit for bit.")
 
 
 class PicassoConfig(StrictBlock):
     """Validated ``"picasso"`` block; absent block = plain per-field embeddings."""
 
-    packing: bool = True
-    sharding: Literal["data_parallel", "row_wise"] = "data_parallel"  # how tables span ranks
-    embedding_dim: PositiveInt = 16
-    optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
-    cache: CacheConfig | None = None
-    interleave: InterleaveConfig = InterleaveConfig()
+    packing: bool = Field(
+        True, description="Pack tables that can share a kernel (same dtype, optimizer settings, pooling kind and "
+                          "dim) into one buffer with one fused lookup and one fused backward + update per pack; "
+                          "false: one pack per table (same results, more kernel calls).")
+    sharding: Literal["data_parallel", "row_wise"] = Field(
+        "data_parallel", description='How tables span ranks: "data_parallel" replicates every table on every rank, '
+                                     '"row_wise" spreads each table\'s rows over the ranks (no cache then).')
+    embedding_dim: PositiveInt = Field(
+        16, description="Width of each field's deep embedding vector, in values per row (wide-and-deep's wide "
+                        "weights stay at width 1).")
+    optimizer: SparseOptimizerConfig = Field(
+        SparseOptimizerConfig(),
+        description="The optimizer fused into the embedding backward (dense layers use DeepSpeed's).")
+    cache: CacheConfig | None = Field(
+        None, description="A hot-row cache in front of a slower store for data-parallel tables; null: no cache.")
+    interleave: InterleaveConfig = Field(
+        InterleaveConfig(), description="Micro-batch interleaving inside a step and read-ahead of training batches "
+                                        "(both off by default).")

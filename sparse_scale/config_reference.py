@@ -276,7 +276,7 @@ def _block_section(name: str, spec: str) -> list[str]:
                      f"{_cell(row.constraints)} | {_cell(row.description)} |")
     checks = [c for m in [model, *_nested_models(model)] for c in cross_field_checks(m)]
     if checks:
-        lines += ["", "Checks across keys (each line is the error it raises):", ""] + [f"- {c}" for c in checks]
+        lines += ["", "Checks across keys (each is an error when broken):", ""] + [f"- {c}" for c in checks]
     return lines + [""]
 
 

@@ -98,3 +98,20 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(_write(tmp_path, "[1, 2]", name="list.json"))
     with pytest.raises(ConfigError, match="gba: must be an object"):
         parse_config({"gba": "auto"})
+
+
+def test_exponential_decay_with_a_rate_that_never_decays_is_refused_at_load():
+    with pytest.raises(ConfigError, match=r"gba\.staleness: .*exponential.*rate < 1.*got 1\.0"):
+        parse_config({"gba": {"staleness": {"decay": "exponential", "rate": 1.0}}}, source="job.json")
+    ok = parse_config({"gba": {"staleness": {"decay": "inverse", "rate": 2.0}}}).blocks["gba"]  # rate unread there
+    assert ok.staleness.rate == 2.0
+
+
+def test_gba_engine_reads_its_block_without_the_job_registry():
+    from gba_engine.startup import load_config as gba_load
+
+    ds, gba, source = gba_load({"train_micro_batch_size_per_gpu": 8, "picasso": {"packing": True},
+                                "gba": {"mode": "gba"}})
+    assert ds == {"train_micro_batch_size_per_gpu": 8} and gba.mode == "gba" and source == "<dict>"
+    with pytest.raises(ConfigError, match="did you mean 'gba'"):
+        gba_load({"gbaa": {"mode": "gba"}})
