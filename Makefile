@@ -35,7 +35,7 @@ demo: $(STAMP)
 
 # torchrec/FBGEMM are installed for tests too: the KJT conversion and TBE comparison tests use them.
 test: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
