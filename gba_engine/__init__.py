@@ -10,8 +10,7 @@ Example::
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sparse_scale.base.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "GBAConfig": "config",
@@ -48,10 +47,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'gba_engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value  # cache: later lookups skip __getattr__
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
