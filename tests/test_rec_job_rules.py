@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sparse_scale.rec.combinations import RULES, CombinationError, check_combinations, refusals
-from sparse_scale.rec.config import RecJobConfig
+from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import (CALIBRATION_STEPS, CRASH_EXIT_CODE, Crash, FaultInjector, Straggler,
                                      parse_crash, parse_straggler)
 
@@ -87,7 +87,24 @@ def test_parse_straggler(text, expected):
     assert parse_straggler(text) == expected
 
 
-@pytest.mark.parametrize("text,match", [("1", "expected RANK:FACTOR"), ("1:0.5", "FACTOR >= 1"),
+@pytest.mark.parametrize("flags,match", [
+    ({"steps": 0}, "--steps 0: must be >= 1"), ({"steps": -5}, "--steps -5: must be >= 1"),
+    ({"fields": 0}, "--fields 0: must be >= 1"), ({"vocab": 0}, "--vocab 0: must be >= 1"),
+    ({"embedding_dim": 0}, "--embedding-dim 0: must be >= 1"), ({"max_hot": 0}, "--max-hot 0: must be >= 1"),
+    ({"num_dense": -1}, "--num-dense -1: must be >= 0"), ({"eval_samples": 0}, "--eval-samples 0: must be >= 1"),
+    ({"zipf": float("nan")}, "--zipf nan: must be a finite exponent"),
+    ({"max_bad_fraction": 1.5}, r"--max-bad-fraction 1.5: must be in \[0, 1\]"),
+    ({"max_bad_fraction": float("nan")}, "--max-bad-fraction nan"),
+    ({"save_every": -1}, "--save-every and --threads must be >= 0"),
+])
+def test_flags_out_of_range_are_refused_before_training_and_name_the_flag(files, flags, match):
+    with pytest.raises(RecJobError, match=match):
+        RecJobConfig(config=files["plain"], **flags)
+    RecJobConfig(config=files["plain"], steps=1, num_dense=0, zipf=0.0, max_bad_fraction=0.0)  # the edges are fine
+
+
+@pytest.mark.parametrize("text,match", [("1", "expected RANK:FACTOR"), ("1:0.5", "FACTOR a finite number >= 1"),
+                                        ("0:nan", "FACTOR a finite number >= 1"), ("0:inf", "finite"),
                                         ("-1:2", "RANK must be >= 0"), ("1:2:5-5", "empty step window 5-5"),
                                         ("1:x", "could not convert")])
 def test_bad_straggler_text_says_why(text, match):

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from sparse_scale.config import JobConfig, load_config
@@ -68,8 +69,17 @@ class RecJobConfig:
             raise RecJobError(f"--data {self.data!r}: expected one of {', '.join(DATA_KINDS)}")
         if self.model not in MODEL_KINDS:
             raise RecJobError(f"--model {self.model!r}: expected one of {', '.join(MODEL_KINDS)}")
-        if self.steps < 0 or self.eval_every < 0 or self.save_every < 0 or self.threads < 0:
-            raise RecJobError("--steps, --eval-every, --save-every and --threads must be >= 0")
+        if self.eval_every < 0 or self.save_every < 0 or self.threads < 0:
+            raise RecJobError("--eval-every, --save-every and --threads must be >= 0")
+        for flag, value, low in (("--steps", self.steps, 1), ("--fields", self.fields, 1), ("--vocab", self.vocab, 1),
+                                 ("--embedding-dim", self.embedding_dim, 1), ("--max-hot", self.max_hot, 1),
+                                 ("--num-dense", self.num_dense, 0), ("--eval-samples", self.eval_samples, 1)):
+            if value < low:  # a job that would train or score nothing is refused before step 1
+                raise RecJobError(f"{flag} {value}: must be >= {low}")
+        if not (math.isfinite(self.zipf) and self.zipf >= 0):
+            raise RecJobError(f"--zipf {self.zipf}: must be a finite exponent >= 0")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:  # also false for NaN
+            raise RecJobError(f"--max-bad-fraction {self.max_bad_fraction}: must be in [0, 1]")
         # tuples, so that the frozen config is hashable and cannot be changed through a list it was given
         object.__setattr__(self, "train_files", tuple(self.train_files))
         object.__setattr__(self, "eval_files", tuple(self.eval_files))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import time
@@ -74,8 +75,8 @@ def parse_straggler(text: str) -> Straggler:
             start, end = int(a), int(b)
             if end <= start:
                 raise ValueError(f"empty step window {start}-{end}")
-        if rank < 0 or factor < 1.0:
-            raise ValueError("RANK must be >= 0 and FACTOR >= 1")
+        if rank < 0 or not (math.isfinite(factor) and factor >= 1.0):  # NaN would compare False and slip through
+            raise ValueError("RANK must be >= 0 and FACTOR a finite number >= 1")
     except ValueError as exc:
         raise ValueError(f"--straggler {text!r}: {exc}") from None
     return Straggler(rank, factor, start, end)
