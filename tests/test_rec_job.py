@@ -78,7 +78,7 @@ def test_job_config_rejects_unknown_kinds(tmp_path):
         RecJobConfig(config=_config(tmp_path), data="csv")  # type: ignore[arg-type]
     with pytest.raises(RecJobError, match="--model 'mlp'"):
         RecJobConfig(config=_config(tmp_path), model="mlp")  # type: ignore[arg-type]
-    with pytest.raises(RecJobError, match="must be >= 0"):
+    with pytest.raises(RecJobError, match="--steps -1: must be >= 1"):
         RecJobConfig(config=_config(tmp_path), steps=-1)
 
 
@@ -107,7 +107,7 @@ def test_bad_fault_flags_are_usage_errors(tmp_path, capsys):
 
     with pytest.raises(SystemExit):
         parse_args(["--config", "x.json", "--straggler", "1:0.5"])
-    assert "--straggler '1:0.5': RANK must be >= 0 and FACTOR >= 1" in capsys.readouterr().err
+    assert "--straggler '1:0.5': RANK must be >= 0 and FACTOR a finite number >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--config", "x.json", "--crash", "1"])
     assert "--crash '1'" in capsys.readouterr().err
