@@ -9,7 +9,7 @@ export MASTER_ADDR ?= 127.0.0.1
 export GLOO_SOCKET_IFNAME ?= lo
 export WANDB_MODE ?= offline
 
-.PHONY: demo test test-fast bench gpu-check gpu-wheels venv sysdeps clean
+.PHONY: demo demo-system test test-fast bench gpu-check gpu-wheels venv sysdeps clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,11 @@ DEMO_ARGS ?= --steps 2500 --vocab 50 --out runs/demo
 
 demo: $(STAMP)
 	bash launch/run_deepspeed.sh ds_configs/demo_cpu.json $(DEMO_ARGS)
+
+# All three blocks in one job: 2 workers + 1 parameter server, worker 1 slowed 4x for steps 300-700.
+SYSTEM_ARGS ?= --steps 1200 --vocab 200 --straggler 1:4:300-700 --out runs/demo-system
+demo-system: $(STAMP)
+	NPROC=3 bash launch/run_deepspeed.sh ds_configs/rec_system_cpu.json $(SYSTEM_ARGS)
 
 # torchrec/FBGEMM are installed for tests too: the KJT conversion and TBE comparison tests use them.
 test: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,14 @@ from .protocol import (FLAG, Leave, LoadShards, decode_float, decode_stats, done
                        rate_key, stats_key)
 from .ps import OptimizerSpec, PSClient, PSRuntime
 from .ps.sharding import ServerTableSpec
+from .row_cache import ServerRowCache
 from .switch import state_from_deepspeed, state_into_deepspeed
 
+if TYPE_CHECKING:
+    from picasso_ops.config import CacheConfig
+
 logger = logging.getLogger(__name__)
+CACHE_EVENT_EVERY = 50  # optimizer steps between row-cache points on the monitor
 
 
 class GBAEngine:
@@ -54,7 +59,8 @@ class GBAEngine:
 
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, ds_engine, module: torch.nn.Module,
                  micro: int, gas: int, server_stats: dict | None = None,
-                 tables: list[ServerTableSpec] | None = None, joined_phase: int | None = None) -> None:
+                 tables: list[ServerTableSpec] | None = None, joined_phase: int | None = None,
+                 row_cache: "CacheConfig | None" = None) -> None:
         self.rt, self.gba, self.spec, self.ds_engine, self.module = rt, gba, spec, ds_engine, module
         self.tables = list(tables or [])
         self.micro_batch, self.gas = micro, gas
@@ -70,8 +76,10 @@ class GBAEngine:
             self.phase: Phase | None = None
             self.policy: SwitchPolicy | None = None
             return
+        cache = (ServerRowCache(self.tables, row_cache, rt.layout.num_servers)
+                 if row_cache is not None and self.tables else None)
         self.ctx = WorkerContext(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=module, tables=self.tables,
-                                 micro_batch=micro, gas=gas)
+                                 micro_batch=micro, gas=gas, row_cache=cache)
         self.phase, self.policy = start(self.ctx)
         self.ctx.observer.mode = self.phase.name  # the observer counts steps per phase from the first one
         if joined_phase is not None:
@@ -181,6 +189,9 @@ class GBAEngine:
         local, ctx.local_s = ctx.local_s, 0.0
         ctx.global_steps += 1
         ctx.observer.on_step(ctx.local_samples, local, ctx.version)
+        if ctx.row_cache is not None and ctx.global_steps % CACHE_EVENT_EVERY == 0:
+            st = ctx.row_cache.stats
+            ctx.observer.write_cache(st.hits / max(st.lookups, 1), st.refreshes, self.ps_bytes()["pulled"])
         ctx.rt.store.set(rate_key(ctx.rt.rank), encode_float(ctx.observer.samples_per_s))
         self.policy.after_update(self, local)
 
@@ -261,6 +272,28 @@ class GBAEngine:
         self._worker_only("fetch_rows")
         self._open_gba()
         return self.phase.fetch_rows(ids)
+
+    def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """Start pulling the rows of unique ``ids`` per table that the next training lookup reads; returns at once.
+
+        With a row cache (``initialize(row_cache=...)`` with ``prefetch`` on) the pull overlaps
+        this step's compute and its rows enter the cache, where the consistency rule still
+        decides what a lookup may serve; without one it does nothing. Call it once per lookup,
+        after the current step's lookup (e.g. after its forward), with the next batch's ids.
+
+        Example::
+
+            out = engine(x, ids, offsets); engine.prefetch_rows(next_unique_ids)
+            engine.backward(loss(out)); engine.step()
+        """
+        self._worker_only("prefetch_rows")
+        self._open_gba()
+        self.phase.prefetch_rows(ids)
+
+    @property
+    def row_cache(self) -> ServerRowCache | None:
+        """This worker's cache of server rows (None without ``row_cache=`` or server tables)."""
+        return None if self.ctx is None else self.ctx.row_cache
 
     def record_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Keep a pulled leaf; its gradient goes to the servers at the step boundary."""
@@ -352,6 +385,8 @@ class GBAEngine:
                              f"model {'has' if self.tables else 'has none'}")
         ctx = self.ctx
         self.phase.close()  # the servers read commands only between phases
+        if ctx.row_cache is not None:
+            ctx.row_cache.clear()  # the restored rows and versions replace what the cache read
         if meta["truth"] == "workers":
             st = load_worker_state(folder)
             state_into_deepspeed(self.ds_engine, st, self.spec)
@@ -383,7 +418,19 @@ class GBAEngine:
         servers = [decode_stats(store.get(stats_key(s))) for s in range(self.rt.layout.num_servers)
                    if store.check([stats_key(s)])]
         rates = {w: decode_float(store.get(rate_key(w))) for w in self.workers if store.check([rate_key(w)])}
-        return self.ctx.observer.summary(servers, rates)
+        out = self.ctx.observer.summary(servers, rates)
+        out["ps_bytes"] = self.ps_bytes()
+        if self.ctx.row_cache is not None:
+            out["row_cache"] = self.ctx.row_cache.stats.as_dict()
+        return out
+
+    def ps_bytes(self) -> dict[str, int]:
+        """Bytes this worker sent to (``pushed``: requests and gradients) and got from (``pulled``) the servers."""
+        sent, received = self.ctx.ps_bytes["sent"], self.ctx.ps_bytes["received"]
+        client = self.client
+        if client is not None:
+            sent, received = sent + client.bytes_sent, received + client.bytes_received
+        return {"pushed": sent, "pulled": received}
 
     def close(self) -> None:
         """Leave the job: goodbye to the servers; the servers stop once every worker closed (or died)."""

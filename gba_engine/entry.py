@@ -47,19 +47,23 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from picasso_ops.config import CacheConfig
 from torch.nn.utils import parameters_to_vector
 
 from .engine import GBAEngine
 from .protocol import decode_int, joinable_key
 from .ps import init_runtime
+from .ps.link import LinkModel
 from .ps.runtime import join_runtime
 from .server_loop import ServerLoop
-from .startup import WorkerMPU, batch_shape, check_config, clip_norm, load_config, server_schedule
+from .startup import (WorkerMPU, batch_shape, check_config, clip_norm, load_config, server_schedule,
+                      with_schedule_peaks)
 from .tables import server_tables
 
 
 def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any],
                model_parameters: Iterable[torch.nn.Parameter] | None = None, *, control_host: str = "127.0.0.1",
+               row_cache: CacheConfig | None = None, link: LinkModel | None = None,
                **deepspeed_kwargs: Any) -> "GBAEngine":
     """Build the engine on every rank (workers: DeepSpeed + PS client; servers: serve the whole job, then return).
 
@@ -67,7 +71,9 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     must be built identically on every rank (same seed), servers included. ``control_host``
     is the launch's master address (the launcher's ``MASTER_ADDR``): the first server hosts
     the control plane on its address that reaches it. Binds the model's server-table
-    collections to the engine.
+    collections to the engine. ``row_cache``: a picasso ``cache`` block with ``store="ps"``
+    puts a read cache of server rows on each worker (``row_cache.py``; ``rows`` per table).
+    ``link``: a modelled slow link to the servers (``ps/link.py``); give the same on every rank.
 
     Example::
 
@@ -82,7 +88,8 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     spec = check_config(ds, gba, dist.get_world_size(), source)
     tables, collections = server_tables(model)
-    rt = init_runtime(gba, control_host=control_host)
+    tables = with_schedule_peaks(tables, ds, spec)  # tables with their own optimizer follow the config's schedule
+    rt = init_runtime(gba, control_host=control_host, link=link)
     singles = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist.get_world_size())]  # every rank creates all
     flat0 = parameters_to_vector([p.detach().float() for p in model.parameters()]).clone()
     micro, gas = batch_shape(ds)
@@ -97,14 +104,15 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
                                               model_parameters=model_parameters if model_parameters is not None
                                               else model.parameters(), **deepspeed_kwargs)
     engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=model, micro=micro, gas=gas,
-                       tables=tables)
+                       tables=tables, row_cache=row_cache)
     for c in collections:
         c.bind(engine)
     return engine
 
 
 def rejoin(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any], worker: int,
-           control_plane: str | os.PathLike | None = None) -> "GBAEngine":
+           control_plane: str | os.PathLike | None = None, *, row_cache: CacheConfig | None = None,
+           link: LinkModel | None = None) -> "GBAEngine":
     """Replace worker ``worker`` of a running job whose process died; returns its engine, in gba mode.
 
     Needs no torch.distributed: the new process reaches the servers through the control
@@ -136,14 +144,15 @@ def rejoin(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any]
                          "control_plane='HOST:PORT'")
     spec = check_config(ds, gba, None, source)  # config mistakes before anything is asked of the servers
     tables, collections = server_tables(model)
+    tables = with_schedule_peaks(tables, ds, spec)
     try:
-        rt = join_runtime(gba, worker, control)
+        rt = join_runtime(gba, worker, control, link=link)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     phase = decode_int(rt.store.get(joinable_key()))
     micro, gas = batch_shape(ds)
     engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model, micro=micro, gas=gas, tables=tables,
-                       joined_phase=phase)
+                       joined_phase=phase, row_cache=row_cache)
     for c in collections:
         c.bind(engine)
     return engine

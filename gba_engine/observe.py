@@ -21,6 +21,11 @@ from typing import Any, Mapping, Sequence
 from .protocol import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTES_EVENT, SWITCH_SECONDS_EVENT,
                        samples_per_s_event, staleness_event)
 
+# the row cache's monitor events (row_cache.py): the first worker's view, like every event here
+CACHE_HIT_RATE_EVENT = "gba/row_cache_hit_rate"
+CACHE_REFRESHES_EVENT = "gba/row_cache_refreshes"
+PS_MBYTES_PULLED_EVENT = "gba/ps_mbytes_pulled"
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,6 +78,11 @@ class Observer:
     def samples_per_s(self) -> float:
         """This worker's local throughput so far."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def write_cache(self, hit_rate: float, refreshes: int, pulled_bytes: int) -> None:
+        """The row cache's hit rate, refreshes and bytes pulled so far, to the monitor (first worker)."""
+        self._write([(CACHE_HIT_RATE_EVENT, hit_rate, self.x), (CACHE_REFRESHES_EVENT, float(refreshes), self.x),
+                     (PS_MBYTES_PULLED_EVENT, pulled_bytes / 1e6, self.x)])
 
     def on_switch(self, step: int, src: str, dst: str, seconds: float, nbytes: int, reason: str = "") -> None:
         """Record (and log on every worker, write on the first) one mode change."""

@@ -7,12 +7,17 @@ Example::
     ds, gba, source = load_config("ds_configs/gba_cpu.json")
     spec = check_config(ds, gba, world=4, source=source)      # the servers' OptimizerSpec
     schedule = server_schedule(ds, spec)                     # None without a scheduler block
+    tables = with_schedule_peaks(tables, ds, spec)           # own table optimizers scaled by the schedule
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 
 from sparse_scale.base.config_file import read_config_file, split_config, validate_model
@@ -20,6 +25,7 @@ from sparse_scale.base.config_file import read_config_file, split_config, valida
 from .config import GBAConfig
 from .ps import OptimizerSpec, layout
 from .ps.schedule import ServerLRSchedule
+from .ps.sharding import ServerTableSpec
 
 
 class WorkerMPU:
@@ -132,6 +138,50 @@ def server_schedule(ds: dict, spec: OptimizerSpec) -> ServerLRSchedule | None:
     if "scheduler" not in ds:
         return None
     return ServerLRSchedule(ds["scheduler"], base_lr=float(spec.kwargs.get("lr", 1e-3)))
+
+
+def schedule_peak(ds: dict, spec: OptimizerSpec) -> float | None:
+    """The peak lr of the config's DeepSpeed scheduler, as picasso_ops reads it (None: no scheduler, or none known).
+
+    Example::
+
+        schedule_peak({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01}}}, spec)     # 0.01
+    """
+    if "scheduler" not in ds:
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    from picasso_ops.distributed.step import schedule_peak_lr
+
+    block = ds["scheduler"]
+    holder = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(spec.kwargs.get("lr", 1e-3)))
+    quiet = logging.getLogger("DeepSpeed")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its constructor warns that iteration -1 comes "before it has started"
+    try:
+        scheduler = getattr(lr_schedules, str(block.get("type")))(holder, **dict(block.get("params") or {}))
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(f"scheduler {block.get('type')!r}: {exc}") from None
+    finally:
+        quiet.setLevel(level)
+    peak = schedule_peak_lr(scheduler)
+    return peak if peak is not None and peak > 0 and math.isfinite(peak) else None  # picasso: factor 1 then
+
+
+def with_schedule_peaks(tables: Sequence[ServerTableSpec], ds: dict, spec: OptimizerSpec) -> list[ServerTableSpec]:
+    """``tables`` with every own optimizer on a ``"deepspeed"`` lr schedule told the config's schedule peak.
+
+    Example::
+
+        with_schedule_peaks([ServerTableSpec("p", 10, 4, optimizer=TableOptimizerSpec.of("sgd", lr=0.1,
+                            lr_schedule="deepspeed"))], ds, spec)[0].optimizer.schedule_peak      # e.g. 0.001
+    """
+    scheduled = [t.optimizer is not None and t.optimizer.lr_schedule == "deepspeed" for t in tables]
+    if not any(scheduled):
+        return list(tables)
+    peak = schedule_peak(ds, spec)
+    return [dataclasses.replace(t, optimizer=t.optimizer.with_peak(peak)) if s else t
+            for t, s in zip(tables, scheduled)]
 
 
 def batch_shape(ds: dict) -> tuple[int, int]:

@@ -74,13 +74,32 @@ class ServerEmbeddingBagCollection(nn.Module):
     def forward(self, ids: Mapping[str, Tensor], offsets: Mapping[str, Tensor],
                 per_sample_weights: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Pooled ``[bags, dim]`` per table; ``ids``/``offsets`` per table as for ``nn.EmbeddingBag`` (1-D + offsets)."""
+        if set(ids) != set(offsets):
+            raise KeyError(f"ids {sorted(ids)} / offsets {sorted(offsets)} must name the same tables among "
+                           f"{sorted(self._dims)}")
+        pulled = self.pull(ids)
+        out = {}
+        for name, (inverse, weight) in pulled.items():
+            psw = None if per_sample_weights is None else per_sample_weights.get(name)
+            out[name] = F.embedding_bag(inverse, weight, offsets[name], mode=self.mode, per_sample_weights=psw)
+        return out
+
+    def pull(self, ids: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+        """Per table ``(inverse, rows)``: ``rows[inverse]`` are the rows of ``ids``, pulled once per unique id.
+
+        One request to the engine for every table; in training the rows are leaves whose
+        gradients the engine pushes at the step boundary (any lookup over them may be used).
+
+        Example::
+
+            inverse, rows = emb.pull({"user": torch.tensor([5, 1, 5])})["user"]     # inverse [1, 0, 1], rows [2, D]
+        """
         if self._source is None:
             raise RuntimeError("ServerEmbeddingBagCollection is not bound to a parameter server: pass the model that "
                                "contains it to gba_engine.initialize(model=...) before calling it")
         unknown = set(ids) - set(self._dims)
-        if unknown or set(ids) != set(offsets):
-            raise KeyError(f"ids {sorted(ids)} / offsets {sorted(offsets)} must name the same tables among "
-                           f"{sorted(self._dims)}")
+        if unknown:
+            raise KeyError(f"ids name tables {sorted(unknown)} not among {sorted(self._dims)}")
         unique, inverse = {}, {}
         for name, t in ids.items():
             if t.dim() != 1:
@@ -94,8 +113,7 @@ class ServerEmbeddingBagCollection(nn.Module):
             if record:
                 weight = weight.detach().requires_grad_(True)
                 self._source.record_rows(name, unique[name], weight)
-            psw = None if per_sample_weights is None else per_sample_weights.get(name)
-            out[name] = F.embedding_bag(inverse[name], weight, offsets[name], mode=self.mode, per_sample_weights=psw)
+            out[name] = (inverse[name], weight)
         return out
 
     def extra_repr(self) -> str:

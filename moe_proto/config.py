@@ -39,14 +39,15 @@ class MoEProtoConfig(StrictBlock):
         1, description="Expert-parallel size: each rank holds num_experts / ep_size experts of every MoE layer and "
                        "the routed rows travel by all-to-all within DeepSpeed's expert groups (1: off).")
     aux_loss_coef: float = Field(
-        0.01, ge=0.0, description="Weight of the MoE layers' l_aux (load-balancing loss plus any z-loss) in the LM's "
-                                  "training loss: cross-entropy + aux_loss_coef x the sum over MoE layers.")
+        0.01, ge=0.0, description="Weight of the MoE layers' l_aux (load-balancing loss plus any z-loss) in the "
+                                  "training loss: cross-entropy (LM) or BCE (rec tower) + aux_loss_coef x the sum "
+                                  "over MoE layers.")
     z_loss_coef: float = Field(
         0.0, ge=0.0, description="Weight of the router z-loss (mean over tokens of logsumexp(router logits)^2, "
                                  "ST-MoE) added to each MoE layer's l_aux (0: off).")
     moe_every: PositiveInt = Field(
         2, description="An MoE FFN every n transformer layers: layer i (0-based) has one when (i + 1) % moe_every "
-                       "== 0, the others a dense FFN.")
+                       "== 0, the others a dense FFN (rec job: the MoE tower's hidden layers, docs/rec_job.md).")
 
     @model_validator(mode="after")
     def _divisible(self) -> "MoEProtoConfig":

@@ -60,11 +60,13 @@ class CacheConfig(StrictBlock):
                            '(counts aged so once-hot rows fade), "lru" the least recently used.')
     store: Literal["memory", "mmap", "ps"] = Field(
         "memory", description='Where the rows behind the cache live: "memory" host tensors, "mmap" a file per rank '
-                              'and table under OUT/picasso_cache/, "ps" gba_engine\'s parameter servers (refused by '
-                              'the rec job).')
+                              'and table under OUT/picasso_cache/, "ps" gba_engine\'s parameter servers (with a gba '
+                              'block: a read cache of server rows on each worker, docs/gba.md).')
     prefetch: bool = Field(
         True, description="Read the next micro-batch's missing rows from the store while the current one computes; "
-                          "it has an effect only with interleave.micro_batches > 1.")
+                          "it has an effect only with interleave.micro_batches > 1 (with store 'ps' the "
+                          "rec job does not read ahead: GBA hands out batches one step at a time; library users call "
+                          "GBAEngine.prefetch_rows).")
 
 
 class InterleaveConfig(StrictBlock):

@@ -7,21 +7,35 @@
 The first rank to fail is reported with its traceback and every other rank is
 killed; a rank that dies without reporting (segfault, os._exit) or a run that
 passes its deadline is an error too, so a caller can never hang.
+
+Ranks start as fresh interpreters (``spawn``), each importing torch and the rest
+again (~6 s of CPU per rank). A test suite can instead fork them from a server
+that has imported the heavy libraries once (the server never runs a rank):
+
+    >>> from sparse_scale.multiproc import start_ranks_from_forkserver
+    >>> start_ranks_from_forkserver(["torch", "deepspeed"])   # once, before the first run_distributed
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import sys
 import time
 import traceback
+from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Sequence
 
 logger = logging.getLogger(__name__)
+
+_start = {"method": "spawn"}  # how ranks start; start_ranks_from_forkserver switches it for this process
 
 
 class DistributedRunError(RuntimeError):
@@ -48,8 +62,53 @@ def loopback_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_timeout_s, threads, results):
+def start_ranks_from_forkserver(preload: Sequence[str]) -> None:
+    """Start the ranks of later ``run_distributed`` calls by forking a server that has imported ``preload`` once.
+
+    Call it before the first ``run_distributed`` of the process (the server starts then, with the
+    environment of that moment). Each rank still starts clean: the server only imports, never runs
+    a rank, and a rank takes the caller's current environment, working directory, ``sys.path`` and
+    stdout/stderr as a spawned one would, and runs its atexit handlers before it exits.
+
+        >>> start_ranks_from_forkserver(["torch", "deepspeed", "torch._dynamo"])
+    """
+    names = list(preload)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ValueError(f"start_ranks_from_forkserver: preload must name modules, got {bad!r} in {names!r}")
+    mp.get_context("forkserver").set_forkserver_preload(names)
+    _start["method"] = "forkserver"
+    logger.info("ranks start from a forkserver that preloads %s", names)
+
+
+class _CallerFd:
+    """A file descriptor of the caller that arrives in the rank as its own copy (an int), whatever the start method.
+
+    ``_CallerFd(1)`` pickled while a rank starts (the only time it is pickled) becomes that rank's copy of fd 1.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_detach, (DupFd(self.fd),))  # DupFd hands the fd to the starting rank only while it is pickled
+
+
+def _detach(inherited: Any) -> int:
+    return inherited.detach()
+
+
+def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_timeout_s, threads, results,
+           env, stdio, forked):
+    # a forked rank inherits the server's environment and stdio, not the caller's: take the caller's
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(loopback_env(rank, world_size, port))
+    for target, fd in zip((1, 2), stdio):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a rank past its deadline shows where it was stuck
     try:
         import torch
 
@@ -75,6 +134,8 @@ def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_time
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        if forked:
+            atexit._run_exitfuncs()  # a forked child ends in os._exit, which skips them; a spawned one runs them
 
 
 def run_distributed(
@@ -97,15 +158,19 @@ def run_distributed(
     expect_exit = dict(expect_exit or {})
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    method = _start["method"]
+    ctx = mp.get_context(method)
     results = ctx.Queue()
     port = free_port()
     pg_timeout_s = max(5.0, timeout_s)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # what the caller wrote so far comes before the ranks' output
     procs = [
         ctx.Process(
             target=_child,
             args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), init_process_group,
-                  pg_timeout_s, threads_per_rank, results),
+                  pg_timeout_s, threads_per_rank, results, dict(os.environ), (_CallerFd(1), _CallerFd(2)),
+                  method == "forkserver"),
             name=f"rank{r}",
             daemon=True,
         )
@@ -139,8 +204,10 @@ def run_distributed(
                         ) from None
                 elif time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in outputs]
+                    _dump_stacks([procs[r] for r in missing])
                     raise DistributedRunError(
-                        f"deadline of {timeout_s:.0f}s passed; ranks {missing} of {world_size} had not finished"
+                        f"deadline of {timeout_s:.0f}s passed; ranks {missing} of {world_size} had not finished "
+                        "(their Python stacks are on stderr)"
                     ) from None
                 else:
                     continue
@@ -154,6 +221,18 @@ def run_distributed(
     finally:
         _stop_all(procs)
     return [outputs[r] for r in range(world_size)]
+
+
+def _dump_stacks(procs: list) -> None:
+    """Ask the live ``procs`` to write every thread's Python stack to their stderr (the caller's), and wait for it."""
+    asked = [p for p in procs if p.is_alive()]
+    for p in asked:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if asked:
+        time.sleep(1.0)  # faulthandler writes from the signal handler; give it a moment before the kill
 
 
 def _stop_all(procs: list) -> None:

@@ -15,6 +15,14 @@ if not torch.cuda.is_available():
     # Triton kernels run in its CPU interpreter here; the variable must be set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from sparse_scale.multiproc import start_ranks_from_forkserver  # noqa: E402  (after the variables above are set)
+
+# Ranks fork from one server that imported these once (~6 s of CPU a rank otherwise); ranks still start clean.
+# SPARSE_SCALE_TEST_SPAWN=1 spawns every rank afresh instead, to rule the server out when a test misbehaves.
+if os.environ.get("SPARSE_SCALE_TEST_SPAWN") != "1":
+    start_ranks_from_forkserver(["torch", "torch.distributed", "numpy", "deepspeed", "torch._dynamo",
+                                 "torch._inductor.compile_fx", "wandb"])
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_leaked_deepspeed_shm_buffers():

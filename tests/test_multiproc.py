@@ -24,6 +24,11 @@ def _hang(rank, world_size):
     time.sleep(600)
 
 
+def _hang_after_saying_so(rank, world_size, marker_dir):
+    open(os.path.join(marker_dir, f"started{rank}"), "w").close()
+    time.sleep(600)
+
+
 def _die_silently(rank, world_size):
     if rank == 0:
         os._exit(3)
@@ -43,11 +48,18 @@ def test_first_failure_propagates_with_traceback():
     assert time.monotonic() - t0 < 30
 
 
-def test_deadline_kills_hanging_ranks():
+def test_deadline_kills_hanging_ranks(capfd, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError, match=r"deadline of 5s passed; ranks \[0, 1\]"):
-        run_distributed(_hang, world_size=2, timeout_s=5, init_process_group=False)
+        run_distributed(_hang_after_saying_so, world_size=2, args=(str(tmp_path),), timeout_s=5,
+                        init_process_group=False)
     assert time.monotonic() - t0 < 20
+    stacks = capfd.readouterr().err  # the ranks that got to their hang wrote where they were stuck before the kill
+    started = list(tmp_path.glob("started*"))
+    # the ranks dump at the same moment, so their lines interleave on stderr: look for the frame, not a count
+    assert not started or "_hang_after_saying_so" in stacks, stacks
+    # forked ranks start in well under the 5 s; spawned ones may still be importing on a loaded box
+    assert len(started) == 2 or os.environ.get("SPARSE_SCALE_TEST_SPAWN") == "1"
 
 
 def test_silent_death_is_reported():
@@ -92,3 +104,52 @@ def test_stale_lock_detection(tmp_path):
     fresh.touch()
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     assert stale_locks(tmp_path) == [old]
+
+
+_RUNS_IN_THIS_PROCESS = []
+
+
+def _report_surroundings(rank, world_size, marker_dir):
+    import atexit
+    import sys
+
+    _RUNS_IN_THIS_PROCESS.append(rank)
+    print(f"rank {rank} says hello on stdout", flush=True)
+    print(f"rank {rank} says hello on stderr", file=sys.stderr, flush=True)
+    atexit.register(lambda: open(os.path.join(marker_dir, f"atexit{rank}"), "w").close())
+    return {"probe": os.environ.get("SPARSE_SCALE_PROBE"), "cwd": os.getcwd(), "runs": len(_RUNS_IN_THIS_PROCESS),
+            "rank_env": os.environ["RANK"], "ppid": os.getppid(), "preloaded": "deepspeed" in sys.modules}
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_see_the_callers_environment_cwd_and_stdio_and_run_atexit(method, tmp_path, monkeypatch, capfd):
+    """What a rank inherits is the caller's at the call, for both start methods (the forkserver started earlier)."""
+    from sparse_scale import multiproc
+
+    monkeypatch.setitem(multiproc._start, "method", method)
+    monkeypatch.setenv("SPARSE_SCALE_PROBE", f"set after the server started, {method}")
+    monkeypatch.chdir(tmp_path)
+    # forked ranks: a second run starts clean, nothing the first one did is left in them (spawned: fresh by design)
+    for attempt in (1, 2) if method == "forkserver" else (1,):
+        out = run_distributed(_report_surroundings, 2, args=(str(tmp_path),), timeout_s=40, init_process_group=False)
+        assert [o["runs"] for o in out] == [1, 1], attempt
+    assert [o["probe"] for o in out] == [f"set after the server started, {method}"] * 2
+    assert [o["cwd"] for o in out] == [str(tmp_path)] * 2 and [o["rank_env"] for o in out] == ["0", "1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit0", "atexit1"]
+    captured = capfd.readouterr()
+    assert "rank 1 says hello on stdout" in captured.out and "rank 0 says hello on stderr" in captured.err
+    # spawned ranks are the caller's children; forked ones the server's, which has imported deepspeed already
+    assert [o["ppid"] == os.getpid() for o in out] == [method == "spawn"] * 2
+    suite_preloads = os.environ.get("SPARSE_SCALE_TEST_SPAWN") != "1"  # conftest.py set the server's imports
+    assert [o["preloaded"] for o in out] == [method == "forkserver" and suite_preloads] * 2
+
+
+def test_the_suite_starts_ranks_from_the_preloading_forkserver():
+    """conftest.py opts the suite in (SPARSE_SCALE_TEST_SPAWN=1 opts out); a rank then starts with deepspeed loaded."""
+    from sparse_scale import multiproc
+
+    expected = "spawn" if os.environ.get("SPARSE_SCALE_TEST_SPAWN") == "1" else "forkserver"
+    assert multiproc._start["method"] == expected
+    with pytest.raises(ValueError, match=r"preload must name modules, got \[''\]"):
+        multiproc.start_ranks_from_forkserver(["torch", ""])
+    assert multiproc._start["method"] == expected  # a refused call changes nothing

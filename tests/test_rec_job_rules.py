@@ -30,11 +30,26 @@ def files(tmp_path):
         "gba": _file(tmp_path, "gba", gba=gba),
         "sync": _file(tmp_path, "sync", gba={**gba, "mode": "sync"}),
         "gba+picasso": _file(tmp_path, "both", gba=gba, picasso={"packing": True}),
+        "gba+row-wise": _file(tmp_path, "rw", gba=gba, picasso={"sharding": "row_wise"}),
+        "gba+interleave": _file(tmp_path, "il", gba=gba, picasso={"interleave": {"micro_batches": 2}}),
+        "gba+prefetch": _file(tmp_path, "pf", gba=gba, picasso={"interleave": {"prefetch_batches": 2}}),
+        "gba+memory-cache": _file(tmp_path, "mc", gba=gba, picasso={"cache": {"rows": 100, "store": "memory"}}),
+        "gba+ps-cache": _file(tmp_path, "pc", gba=gba, picasso={"cache": {"rows": 100, "store": "ps"}}),
+        "gba+moe": _file(tmp_path, "gm", gba=gba, moe_proto={"num_experts": 4, "ep_size": 2}),
+        "gba+moe-ep1": _file(tmp_path, "gm1", gba=gba, moe_proto={"num_experts": 4, "ep_size": 1}),
+        "moe_model": _file(tmp_path, "mm", moe_model={"num_layers": 2, "d_model": 32, "num_heads": 2,
+                                                       "ffn_hidden_size": 64}),
     }
 
 
 REFUSED = [
-    ("gba+picasso", "gba+picasso", {}, "the gba and picasso blocks cannot be combined yet (the parameter servers"),
+    ("gba+row-wise", "gba+picasso-row-wise", {}, "picasso.sharding 'row_wise' with a gba block: the packed tables'"),
+    ("gba+interleave", "gba+picasso-interleave", {}, "picasso.interleave.micro_batches > 1 with a gba block"),
+    ("gba+prefetch", "gba+picasso-prefetch", {}, "picasso.interleave.prefetch_batches > 0 with a gba block"),
+    ("gba+memory-cache", "gba+picasso-cache", {}, "picasso.cache.store='memory' with a gba block: that store keeps"),
+    ("plain", "ps-link-without-gba", {"ps_link_latency_ms": 0.5}, "--ps-link-latency-ms / --ps-link-mbit model the"),
+    ("gba+moe", "gba+moe-expert-parallel", {}, "all-to-all, which needs the workers in lockstep"),
+    ("moe_model", "moe-model-in-rec", {}, "a moe_model block shapes the MoE language model"),
     ("gba", "eval-every+async", {"eval_every": 5}, "--eval-every with gba.mode='gba': workers run at their own pace"),
     ("gba", "rejoin+resume", {"rejoin_as": 1, "resume": True}, "--rejoin-as continues the running job's state"),
     ("sync", "rejoin+sync", {"rejoin_as": 1}, "--rejoin-as needs gba.mode gba or auto: a sync job keeps DeepSpeed's"),
@@ -65,6 +80,7 @@ def test_each_refused_combination_names_its_reason(files, file, rule, flags, rea
     ("plain", {}), ("plain", {"eval_every": 5, "save_every": 2, "resume": True}),
     ("gba", {"server_tables": True, "save_every": 2}), ("gba", {"rejoin_as": 1}), ("sync", {"eval_every": 5}),
     ("plain", {"data": "parquet", "train_files": ("a",), "eval_files": ("b",)}),
+    ("gba+picasso", {}), ("gba+ps-cache", {"ps_link_latency_ms": 0.5, "ps_link_mbit": 1000.0}), ("gba+moe-ep1", {}),
 ])
 def test_allowed_combinations_pass(files, file, flags):
     job = RecJobConfig(config=files[file], **flags)

@@ -29,6 +29,7 @@ from ..observe import Observer
 from ..ps import OptimizerSpec, PSClient, PSRuntime
 from ..ps.runtime import Liveness
 from ..ps.sharding import ServerTableSpec
+from ..row_cache import ServerRowCache
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,6 +52,8 @@ class WorkerContext:
     mark: float = dataclasses.field(default_factory=time.perf_counter)
     claims: BatchClaims | None = None
     pulled_rows: list = dataclasses.field(default_factory=list)  # (table, unique ids, leaf) of this step
+    row_cache: ServerRowCache | None = None  # the worker's read cache of server rows (row_cache.py), if configured
+    ps_bytes: dict = dataclasses.field(default_factory=lambda: {"sent": 0, "received": 0})  # of closed clients
     observer: Observer = None  # type: ignore[assignment]  # set in __post_init__
     commands: ServerCommands = None  # type: ignore[assignment]
     worker_live: Liveness = None  # type: ignore[assignment]
@@ -117,6 +120,17 @@ class Phase(abc.ABC):
     def is_open(self) -> bool:
         """Whether the phase talks to the servers now (its client is connected)."""
         return self.client is not None
+
+    def close_client(self) -> None:
+        """Say goodbye to the servers and keep the client's byte counts in the context."""
+        if self.client is not None:
+            self.ctx.ps_bytes["sent"] += self.client.bytes_sent
+            self.ctx.ps_bytes["received"] += self.client.bytes_received
+            self.client.close()
+            self.client = None
+
+    def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """Start pulling rows the next lookup will read (with a row cache; otherwise nothing to do)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -120,9 +120,7 @@ class GBAPhase(Phase):
         return TrainState(parts[0], {k: parts[1 + i] for i, k in enumerate(names)}, step, version)
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.close_client()
 
     # ------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,10 +147,21 @@ class GBAPhase(Phase):
 
     def fetch_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The servers' current rows."""
+        ctx = self.ctx
         t0 = time.perf_counter()
-        got = self.client.pull(dict(ids), dense=False, min_version=None)
-        self.ctx.local_s -= time.perf_counter() - t0
-        return got.rows
+        if ctx.row_cache is not None and ctx.module.training and self.token is not None:
+            # a cached row is served while at most `threshold` versions older than this step's dense token
+            rows, _ = ctx.row_cache.fetch(self.client, ids, need=self.token, max_age=ctx.gba.staleness.threshold,
+                                          min_version=None)
+        else:
+            rows = self.client.pull(dict(ids), dense=False, min_version=None).rows
+        ctx.local_s -= time.perf_counter() - t0
+        return rows
+
+    def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """Pull the servers' current rows of the next lookup ahead (the staleness rule applies when it reads them)."""
+        if self.ctx.row_cache is not None and self.client is not None:
+            self.ctx.row_cache.prefetch(self.client, ids, min_version=None)
 
     def table_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         if self.client is None:

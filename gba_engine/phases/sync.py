@@ -42,9 +42,7 @@ class SyncPhase(Phase):
         self.client = PSClient(ctx.rt, ctx.dense_numel, ctx.tables, tables_only=True)
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()  # the servers' phase ends once every worker said goodbye
-            self.client = None
+        self.close_client()  # the servers' phase ends once every worker said goodbye
 
     def adopt(self, state: TrainState) -> None:
         """Continue from ``state`` (the servers' hand-back, equal on every worker): DeepSpeed, clocks, claims; opens."""
@@ -84,11 +82,26 @@ class SyncPhase(Phase):
         if self.client is None:
             raise RuntimeError("server tables need the parameter servers' client: none is open (after close()?)")
         t0 = time.perf_counter()
-        got = self.client.pull(dict(ids), dense=False, min_version=ctx.version)
+        if ctx.row_cache is not None and ctx.module.training:
+            need = (ctx.version,) * ctx.rt.layout.num_servers
+            # sync: only rows read at this very version are served; the rest are validated at it (exact)
+            rows, token = ctx.row_cache.fetch(self.client, ids, need=need, max_age=0, min_version=ctx.version)
+            token = token or need  # every row was current: the servers are at this version (they wait for our push)
+        else:
+            got = self.client.pull(dict(ids), dense=False, min_version=ctx.version)
+            rows, token = got.rows, got.token
         ctx.local_s -= time.perf_counter() - t0  # waiting on peers is not this worker's slowness
         if self.token is None and ctx.module.training:
-            self.token = got.token
-        return got.rows
+            self.token = token
+        return rows
+
+    def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """Pull ahead what the next lookup reads: after this step's update when called before its boundary push."""
+        ctx = self.ctx
+        if ctx.row_cache is None or self.client is None:
+            return
+        ahead = self.token is not None and self.is_boundary()  # the push of this global batch is still to come
+        ctx.row_cache.prefetch(self.client, ids, min_version=ctx.version + (1 if ahead else 0))
 
     def table_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         if self.client is None:

@@ -10,6 +10,12 @@ heartbeat checks of the servers, never on an unannounced gloo recv.
 Tokens are per server (``tuple[int, ...]``): each server owns a disjoint shard and
 advances its own version, so no cross-server agreement is needed on the hot path.
 
+A pull may be split in two on the same thread: :meth:`PSClient.request_rows` posts a
+validating pull (the worker-side row cache's: ids with the row stamps it holds) and returns
+at once; :meth:`PSClient.collect_rows` waits for its reply later, so the transfer overlaps
+the caller's compute (a prefetch). Replies to other requests that arrive meanwhile are kept
+until asked for; ``bytes_sent`` / ``bytes_received`` count every message on the wire.
+
 Example::
 
     client = PSClient(rt, dense_numel=n, embedding_specs=specs)
@@ -29,8 +35,9 @@ from torch import Tensor
 
 from .runtime import Liveness, PSConnectionError, PSRuntime
 from .sharding import DenseSharding, ServerTableSpec, RowRoute
-from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_STALLED, Header, Kind, Outgoing, ProtocolError, pack_floats,
-                   pack_ints, recv_message, schema_id, send_message, unpack_floats)
+from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_PREFETCH, FLAG_STALLED, FLAG_VALIDATE, HEADER_LEN, Header, Kind,
+                   Outgoing, ProtocolError, pack_floats, pack_ints, recv_message, schema_id, send_message,
+                   unpack_floats, unpack_ints, unpack_mask)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,29 @@ class Pulled(NamedTuple):
     rows: dict[str, Tensor]  # table -> rows for the asked ids, shape ids.shape + (dim,)
     token: Token
     finished: bool  # every server reached its final version: these are the final parameters
+
+
+class RowRequest(NamedTuple):
+    """A validating pull on its way (:meth:`PSClient.request_rows`); :meth:`PSClient.collect_rows` reads its reply."""
+
+    seqs: dict[int, int]  # server rank -> sequence number of the request
+    ids: dict[str, Tensor]  # table -> the unique ids asked, in the caller's order
+    routes: dict[str, RowRoute]
+    min_version: tuple[int, ...]  # per server; -1: answered at once
+
+
+class RowReply(NamedTuple):
+    """The answer to a :class:`RowRequest`: only the rows the servers changed since the stamps sent.
+
+    ``changed[t] = (positions, rows)``: positions into the request's ``ids[t]`` and their current
+    rows ``[len(positions), dim]``; every other asked row is unchanged since its stamp.
+    ``versions`` / ``stamps``: each server's version and row clock when it answered.
+    """
+
+    changed: dict[str, tuple[Tensor, Tensor]]
+    versions: Token
+    stamps: tuple[int, ...]
+    finished: bool
 
 
 class PSClient:
@@ -76,7 +106,12 @@ class PSClient:
         self.tables_only = tables_only
         self.schema = schema_id(dense_numel, embedding_specs)
         self._seq = {s: 0 for s in self.servers}
-        self._outgoing: list[Outgoing] = []
+        self._outgoing: list[tuple[int, int, Outgoing]] = []  # (server, seq, sends), waited once the server replied
+        self._awaiting: set[tuple[int, int]] = set()  # (server, seq) of pulls whose reply has not been read
+        self._stash: dict[tuple[int, int], tuple[Header, Tensor, Tensor]] = {}  # replies read before asked for
+        self._abandoned: set[tuple[int, int]] = set()  # replies to drop when they come
+        self.bytes_sent = 0  # every message to the servers: headers, ids, floats
+        self.bytes_received = 0  # every reply from the servers
         self._finished = {s: False for s in self.servers}
         self._broken: BaseException | None = None
         self._closed = False
@@ -102,7 +137,7 @@ class PSClient:
             ints = pack_ints([self._ids_for(per_server, name, i) for name in self._order])
             seqs[s] = self._send(s, Kind.PULL, ints=ints, floats=None, flags=FLAG_DENSE if dense else 0,
                                  min_version=mins[i])
-        replies = self._await_replies(seqs)
+        replies = {s: (h, f) for s, (h, _, f) in self._await_replies(seqs).items()}
         token = tuple(replies[s][0].version for s in self.servers)
         dense_shards, blocks = [], {name: [] for name in self._order}
         for i, s in enumerate(self.servers):
@@ -151,6 +186,86 @@ class PSClient:
             floats = pack_floats(shards[i], row_blocks)
             self._send(s, Kind.PUSH, ints=ints, floats=floats, version=tokens[i], num_samples=num_samples)
 
+    def request_rows(self, ids: Mapping[str, Tensor], stamps: Mapping[str, Tensor], *,
+                     min_version: int | Sequence[int] | None = None, prefetch: bool = False) -> RowRequest:
+        """Post a validating pull, return at once: the servers answer with the rows of ``ids`` changed since ``stamps``.
+
+        ``ids[t]``: unique 1-D ids; ``stamps[t]``: the server row clock each row was read at
+        (``-1``: not held, always sent). ``min_version`` as in :meth:`pull`. ``prefetch``: asked
+        ahead of need (a server does not count a worker waiting on it as stalled).
+
+        Example::
+
+            req = client.request_rows({"user": torch.tensor([4, 9])}, {"user": torch.tensor([-1, 17])})
+            ... compute ...
+            reply = client.collect_rows(req)      # reply.changed["user"]: (positions, rows)
+        """
+        self._usable()
+        if set(ids) != set(stamps):
+            raise ValueError(f"ids and stamps name different tables: {sorted(ids)} vs {sorted(stamps)}")
+        mins = self._per_server(min_version, "min_version") if min_version is not None else (-1,) * self.num_servers
+        routes, per_server, stamp_blocks = {}, {}, {}
+        for name, t in ids.items():
+            flat = self._checked(name, t)
+            known = stamps[name].reshape(-1).to(torch.int64)
+            if known.numel() != flat.numel():
+                raise ValueError(f"table {name!r}: {flat.numel()} ids but {known.numel()} stamps")
+            route = routes[name] = RowRoute.build(flat, self.num_servers)
+            if route.unique.numel() != flat.numel():
+                repeated = flat.numel() - route.unique.numel()
+                raise ValueError(f"table {name!r}: request_rows needs unique ids, got {repeated} repeated")
+            per_server[name] = route.server_ids()
+            by_unique = torch.empty_like(known)
+            by_unique[route.inverse] = known
+            stamp_blocks[name] = route.split(by_unique)
+        flags = FLAG_VALIDATE | (FLAG_PREFETCH if prefetch else 0)
+        seqs = {}
+        for i, s in enumerate(self.servers):
+            id_blocks = [self._ids_for(per_server, n, i) for n in self._order]
+            known_blocks = [stamp_blocks[n][i] if n in stamp_blocks else torch.empty(0, dtype=torch.int64)
+                            for n in self._order]
+            seqs[s] = self._send(s, Kind.PULL, ints=pack_ints(id_blocks + known_blocks), floats=None, flags=flags,
+                                 min_version=mins[i])
+        return RowRequest(seqs=seqs, ids={n: t.reshape(-1) for n, t in ids.items()}, routes=routes, min_version=mins)
+
+    def collect_rows(self, request: RowRequest) -> RowReply:
+        """Wait for the reply to ``request`` (:meth:`request_rows`) and map it back to the asked ids."""
+        self._usable()
+        replies = self._await_replies(request.seqs)
+        parts: dict[str, tuple[list[Tensor], list[Tensor]]] = {n: ([], []) for n in request.ids}
+        offsets = {n: 0 for n in request.ids}
+        for i, s in enumerate(self.servers):
+            header, ints, floats = replies[s]
+            masks = unpack_ints(ints, len(self._order))
+            asked = [request.routes[n].counts[i] if n in request.routes else 0 for n in self._order]
+            positions = [unpack_mask(m, k).nonzero().squeeze(1) for m, k in zip(masks, asked)]
+            _, rows = unpack_floats(floats, 0, [p.numel() for p in positions], [self.specs[n].dim for n in self._order])
+            for name, pos, r in zip(self._order, positions, rows):
+                if name not in request.ids:
+                    continue
+                route = request.routes[name]
+                unique_index = route.order[offsets[name] + pos]  # position in the server's block -> unique id
+                parts[name][0].append(unique_index)
+                parts[name][1].append(r)
+                offsets[name] += route.counts[i]
+        changed = {}
+        for name, (unique_index, rows) in parts.items():
+            route = request.routes[name]
+            asked_at = torch.empty_like(route.inverse)
+            asked_at[route.inverse] = torch.arange(route.inverse.numel())  # unique index -> caller's position
+            changed[name] = (asked_at[torch.cat(unique_index)], torch.cat(rows))
+        return RowReply(changed=changed, versions=tuple(replies[s][0].version for s in self.servers),
+                        stamps=tuple(replies[s][0].stamp for s in self.servers), finished=all(self._finished.values()))
+
+    def abandon(self, request: RowRequest) -> None:
+        """Forget ``request``: its reply is dropped when it comes (a prefetch the caller no longer needs)."""
+        for s, seq in request.seqs.items():
+            if (s, seq) in self._stash:
+                del self._stash[(s, seq)]
+                self._awaiting.discard((s, seq))
+            elif (s, seq) in self._awaiting:
+                self._abandoned.add((s, seq))
+
     def get_rows(self, table: str, ids: Tensor) -> Tensor:
         """Current rows of ``table`` for ``ids`` (the cache-store read): ``ids.shape + (dim,)``."""
         return self.pull({table: ids}, dense=False).rows[table]
@@ -195,7 +310,14 @@ class PSClient:
         try:
             for s in self.servers:
                 self._send(s, Kind.BYE, ints=None, floats=None)
-            for out in self._outgoing:
+            if self._awaiting:  # a prefetch's reply: the server answers every request, and its send waits for us
+                by_server: dict[int, list[int]] = {}
+                for s, q in sorted(self._awaiting):
+                    by_server.setdefault(s, []).append(q)
+                while by_server:
+                    self._await_replies({s: qs.pop(0) for s, qs in by_server.items()})
+                    by_server = {s: qs for s, qs in by_server.items() if qs}
+            for _, _, out in self._outgoing:
                 out.wait()
         except RuntimeError as exc:  # a server that finished may already be gone: nothing is lost
             logger.info("rank %d: goodbye not confirmed by every server: %s", self.rt.rank, str(exc)[:200])
@@ -243,49 +365,62 @@ class PSClient:
                         min_version=min_version, num_samples=num_samples, flags=flags,
                         n_ints=0 if ints is None else ints.numel(), n_floats=0 if floats is None else floats.numel())
         try:
-            self._outgoing.append(send_message(header, ints, floats, self.rt.link(server)))
+            self._outgoing.append((server, seq, send_message(header, ints, floats, self.rt.link(server))))
             self.rt.ring(server)  # after the isends: the server will only recv data already on its way
         except RuntimeError as exc:
             self._broken = exc
             raise PSConnectionError(f"rank {self.rt.rank}: sending a {kind.name} to server rank {server} failed: {exc}") from exc
         self._seq[server] = seq + 1
+        self.bytes_sent += 8 * (HEADER_LEN + header.n_ints) + 4 * header.n_floats
+        if kind is Kind.PULL:
+            self._awaiting.add((server, seq))
         return seq
 
-    def _await_replies(self, seqs: Mapping[int, int]) -> dict[int, tuple[Header, Tensor]]:
+    def _await_replies(self, seqs: Mapping[int, int]) -> dict[int, tuple[Header, Tensor, Tensor]]:
+        """The replies ``{server: (header, ints, floats)}`` to requests ``seqs``; others read meanwhile are kept."""
         deadline = time.monotonic() + self.rt.timeout_s
-        replies: dict[int, tuple[Header, Tensor]] = {}
+        wanted = {(s, q) for s, q in seqs.items()}
         try:
-            while len(replies) < len(seqs):
+            while not wanted <= self._stash.keys():
                 remaining = deadline - time.monotonic()
+                missing = sorted(s for s, q in wanted if (s, q) not in self._stash)
                 if remaining <= 0:
-                    missing = sorted(set(seqs) - set(replies))
                     raise PSConnectionError(
                         f"rank {self.rt.rank}: no reply from server ranks {missing} within timeout_s={self.rt.timeout_s}"
                     )
                 bell = self.rt.wait_doorbell(min(remaining, self.rt.heartbeat_s))
                 if bell is None:
-                    lost = self._liveness.poll() & (set(seqs) - set(replies))
+                    lost = self._liveness.poll() & set(missing)
                     if lost:
                         raise PSConnectionError(f"rank {self.rt.rank}: server ranks {sorted(lost)} stopped heartbeating")
                     continue
                 src = bell.src
-                if bell.join or src not in seqs or src in replies:
+                if bell.join or not any(s == src for s, _ in self._awaiting):
                     raise ProtocolError(f"rank {self.rt.rank}: unexpected doorbell {bell}")
-                header, _, floats = recv_message(self.rt.link(src), src)
-                if header.kind is not Kind.REPLY or header.seq != seqs[src]:
-                    raise ProtocolError(f"rank {self.rt.rank}: expected the reply to request {seqs[src]} from rank "
-                                        f"{src}, got {header.kind.name} #{header.seq}")
-                replies[src] = (header, floats)
-            for out in self._outgoing:  # every server has read all our earlier sends before replying
-                out.wait()
-            self._outgoing = []
+                header, ints, floats = recv_message(self.rt.link(src), src)
+                key = (src, header.seq)
+                if header.kind is not Kind.REPLY or key not in self._awaiting:
+                    raise ProtocolError(f"rank {self.rt.rank}: expected a reply to one of the requests "
+                                        f"{sorted(q for s, q in self._awaiting if s == src)} from rank {src}, got "
+                                        f"{header.kind.name} #{header.seq}")
+                self.bytes_received += 8 * (HEADER_LEN + header.n_ints) + 4 * header.n_floats
+                self._reaped(src, header.seq)
+                if key in self._abandoned:
+                    self._abandoned.discard(key)
+                    self._awaiting.discard(key)
+                else:
+                    self._stash[key] = (header, ints, floats)
         except (RuntimeError, TimeoutError) as exc:
             self._broken = exc
             if isinstance(exc, (PSConnectionError, ProtocolError)):
                 raise
             raise PSConnectionError(f"rank {self.rt.rank}: parameter-server transfer failed: {exc}") from exc
-        stalled = [s for s, (h, _) in replies.items() if h.flags & FLAG_STALLED]
-        for s, (h, _) in replies.items():
+        replies = {}
+        for key in wanted:
+            self._awaiting.discard(key)
+            replies[key[0]] = self._stash.pop(key)
+        stalled = [s for s, (h, _, _) in replies.items() if h.flags & FLAG_STALLED]
+        for s, (h, _, _) in replies.items():
             self._finished[s] = bool(h.flags & FLAG_FINISHED)
         if stalled:
             raise PSStalledError(
@@ -294,3 +429,13 @@ class PSClient:
                 "pull without min_version to train asynchronously"
             )
         return replies
+
+    def _reaped(self, server: int, seq: int) -> None:
+        """``server`` answered request ``seq``, so it has read every earlier send of ours: confirm those sends."""
+        keep = []
+        for entry in self._outgoing:
+            if entry[0] == server and entry[1] <= seq:
+                entry[2].wait()
+            else:
+                keep.append(entry)
+        self._outgoing = keep

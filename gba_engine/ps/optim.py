@@ -20,12 +20,18 @@ global batch (``index`` gather, update, scatter: no per-id Python loop):
   weight decay and Nesterov, on present rows only.
 * Adagrad: per-row accumulators, torch's formula with the table's step count for ``lr_decay``.
 
+A table may carry its own optimizer instead (:class:`TableOptimizerSpec`, set on its
+``ServerTableSpec``): picasso_ops' sparse optimizers (``sgd``, ``rowwise_adagrad``, lazy
+``adam``), run on the servers by picasso_ops' own update code (:class:`SparseRowOptimizer`), so
+a packed table trained through the servers follows the picasso block's formulas exactly.
+
 Example::
 
     spec = OptimizerSpec.from_deepspeed({"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
     dense_opt = spec.build_dense([shard_param])          # torch.optim.AdamW
     rows = spec.build_rows(initial_table_shard)          # LazyTorchAdam owning the table
     rows.step(local_ids, row_grads)
+    own = TableOptimizerSpec.of("rowwise_adagrad", lr=0.05).build_rows(initial_table_shard)   # picasso's formula
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
+
+from picasso_ops.embedding.sparse_optim import OPTIMIZERS as SPARSE_OPTIMIZERS
+from picasso_ops.embedding.sparse_optim import RowUpdate, SparseOptimizer, create_optimizer, resolve_hyperparams
 
 SUPPORTED = ("adam", "adamw", "sgd", "adagrad")
 _DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fp32_optimizer_states")  # consumed by DeepSpeed, not torch
@@ -268,3 +277,98 @@ class LazyAdagrad(RowOptimizer):
 
     def _state_tensors(self) -> dict[str, Tensor]:
         return {"sum": self.state_sum}
+
+
+LR_SCHEDULES = ("deepspeed", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableOptimizerSpec:
+    """A server table's own sparse optimizer (picasso_ops' ``sgd``, ``rowwise_adagrad``, ``adam``) and its lr schedule.
+
+    ``params`` are picasso's hyperparameters (``lr``, ``eps``, ``beta1``, ``beta2``; defaults
+    filled in). ``lr_schedule`` ``"deepspeed"``: update ``u`` runs at ``lr`` x DeepSpeed's lr of
+    optimizer step ``u`` / its schedule's peak (``schedule_peak``, set from the config's
+    ``scheduler`` block by ``gba_engine.startup``; no scheduler: ``lr``), as picasso scales
+    worker-side tables; ``"constant"``: always ``lr``.
+
+    Example::
+
+        spec = TableOptimizerSpec.of("adam", lr=0.01, lr_schedule="deepspeed")
+        spec.scheduled_lr(ds_lr=0.0005)                  # 0.01: no peak known yet, lr throughout
+        spec.with_peak(0.001).scheduled_lr(0.0005)       # 0.005
+    """
+
+    type: str
+    params: tuple[tuple[str, float], ...] = ()
+    lr_schedule: str = "constant"
+    schedule_peak: float | None = None  # the DeepSpeed schedule's peak lr that "deepspeed" scaling divides by
+
+    def __post_init__(self) -> None:
+        if self.type not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"a table's sparse optimizer must be one of {tuple(SPARSE_OPTIMIZERS)}, got {self.type!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"a table's lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.schedule_peak is not None and not (self.schedule_peak > 0 and math.isfinite(self.schedule_peak)):
+            raise ValueError(f"schedule_peak must be a finite lr > 0, got {self.schedule_peak}")
+        object.__setattr__(self, "params", resolve_hyperparams(self.type, dict(self.params)))
+
+    @classmethod
+    def of(cls, type: str, lr_schedule: str = "constant", **params: float) -> "TableOptimizerSpec":
+        """Direct construction: ``TableOptimizerSpec.of("rowwise_adagrad", lr=0.05, eps=1e-8)``."""
+        return cls(type=type, params=tuple(sorted(params.items())), lr_schedule=lr_schedule)
+
+    @property
+    def lr(self) -> float:
+        """The table's lr (the peak under a "deepspeed" schedule)."""
+        return dict(self.params)["lr"]
+
+    def with_peak(self, peak: float | None) -> "TableOptimizerSpec":
+        """This spec scaled against a DeepSpeed schedule peaking at ``peak`` (None: no scheduler)."""
+        return dataclasses.replace(self, schedule_peak=peak)
+
+    def scheduled_lr(self, ds_lr: float) -> float:
+        """The table's lr for an update DeepSpeed runs at ``ds_lr``."""
+        if self.lr_schedule != "deepspeed" or self.schedule_peak is None:
+            return self.lr
+        return self.lr * ds_lr / self.schedule_peak
+
+    def build_rows(self, weight: Tensor) -> "SparseRowOptimizer":
+        """picasso's optimizer owning ``weight`` (a [rows, dim] table shard; copied)."""
+        return SparseRowOptimizer(weight, create_optimizer(self.type, dict(self.params)))
+
+
+class SparseRowOptimizer(RowOptimizer):
+    """A picasso_ops ``SparseOptimizer`` run on a server's table shard: its own update code, state and step clock.
+
+    ``rowwise_adagrad`` keeps one accumulator per row (``momentum1 += mean(g**2)``, ``w -= lr *
+    g / (sqrt(momentum1) + eps)``); ``adam`` picasso's lazy Adam with the table's update count
+    as ``t``; ``sgd`` ``w -= lr * g``. The step count ticks on every update, present rows or not,
+    as picasso's packed tables count their steps.
+
+    Example::
+
+        opt = TableOptimizerSpec.of("rowwise_adagrad", lr=0.1).build_rows(torch.zeros(4, 2))
+        opt.step(torch.tensor([1]), torch.ones(1, 2)); opt.weight[1]      # tensor([-0.1000, -0.1000])
+    """
+
+    def __init__(self, weight: Tensor, optimizer: SparseOptimizer) -> None:
+        super().__init__(weight)
+        self.sparse = optimizer
+        rows, dim = self.weight.shape
+        self.state = optimizer.init_state(rows, dim, num_logical_rows=rows)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next update (the server sets it from the schedule)."""
+        return self.sparse.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.sparse.lr = value
+
+    def _update(self, rows: Tensor, grad: Tensor) -> None:
+        self.sparse.update(self.weight, self.state, RowUpdate.simple(rows, grad, step=self.steps))
+
+    def _state_tensors(self) -> dict[str, Tensor]:
+        return dict(self.state)

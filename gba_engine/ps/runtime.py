@@ -47,12 +47,13 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from ..config import GBAConfig
+from .link import DelayedDoorbells, LinkModel
 from ..protocol import (FLAG, DoorbellMessage, LayoutRecord, StoreAddress, closed_key, heartbeat_key, inbox_key,
                         incarnation_key, joinable_key, layout_key, pair_prefix, store_address_key)
 
@@ -146,9 +147,12 @@ class Link:
     group: dist.ProcessGroup
     peer: int  # the peer's rank inside ``group``
     incarnation: int = 0  # the worker's restart count this link belongs to
+    meter: Callable[[int], None] | None = dataclasses.field(default=None, compare=False)  # bytes sent, for a LinkModel
 
     def send(self, tensor) -> "dist.Work":
         """Post an isend of ``tensor`` to the peer."""
+        if self.meter is not None:
+            self.meter(tensor.numel() * tensor.element_size())
         return self.group.send([tensor], self.peer, 0)
 
     def recv(self, tensor) -> None:
@@ -239,6 +243,13 @@ class PSRuntime:
     _heartbeat: _Heartbeat | None = None
     _closed: bool = False
     _links: dict = dataclasses.field(default_factory=dict)  # peer -> Link replacing (ps_group, peer)
+    link_model: LinkModel | None = None  # a modelled slow link to/from the servers (link.py); None: as fast as gloo
+    _doorbells: DelayedDoorbells | None = None
+    _unrung: dict = dataclasses.field(default_factory=dict)  # peer -> bytes sent since its last doorbell
+
+    def __post_init__(self) -> None:
+        if self.link_model is not None and self.link_model.enabled and self._doorbells is None:
+            self._doorbells = DelayedDoorbells(self.link_model, self.store_host, self.store_port, self.timeout_s)
 
     @property
     def is_server(self) -> bool:
@@ -248,14 +259,30 @@ class PSRuntime:
     def link(self, peer: int) -> Link:
         """How to reach ``peer``: the launch's ``ps_group``, or the pair group of a restarted worker."""
         if peer in self._links:
-            return self._links[peer]
-        if self.ps_group is None:
+            base = self._links[peer]
+        elif self.ps_group is None:
             raise PSConnectionError(f"rank {self.rank} (incarnation {self.incarnation}) has no link to rank {peer}")
-        return Link(self.ps_group, peer)
+        else:
+            base = Link(self.ps_group, peer)
+        if self._doorbells is None:
+            return base
+        return dataclasses.replace(base, meter=lambda nbytes: self._count(peer, nbytes))
 
     def ring(self, dst: int) -> None:
-        """Tell ``dst`` that a message from this rank is on its way (after its isends are posted)."""
-        self.store.queue_push(inbox_key(dst, self.link(dst).incarnation), DoorbellMessage(self.rank, self.incarnation).encode())
+        """Tell ``dst`` that a message from this rank is on its way (after its isends are posted).
+
+        With a :class:`~.link.LinkModel` the doorbell rings later, when the bytes sent to ``dst``
+        since its last doorbell would have crossed the modelled link; this call returns at once.
+        """
+        key = inbox_key(dst, self.link(dst).incarnation)
+        message = DoorbellMessage(self.rank, self.incarnation).encode()
+        if self._doorbells is None:
+            self.store.queue_push(key, message)
+        else:
+            self._doorbells.ring(dst, key, message, self._unrung.pop(dst, 0))
+
+    def _count(self, peer: int, nbytes: int) -> None:
+        self._unrung[peer] = self._unrung.get(peer, 0) + nbytes
 
     def wait_doorbell(self, timeout_s: float) -> DoorbellMessage | None:
         """The next doorbell, or None after ``timeout_s`` (a harmless store timeout).
@@ -296,6 +323,8 @@ class PSRuntime:
         if self._closed:
             return
         self._closed = True
+        if self._doorbells is not None:  # the last doorbells (goodbyes) still reach their servers
+            self._doorbells.close(timeout_s=self.timeout_s)
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=self.heartbeat_s + 1.0)
         try:
@@ -357,7 +386,8 @@ def read_layout(control_plane: str | os.PathLike, timeout_s: float = 10.0) -> La
     return _connect(control_plane, timeout_s)[3]
 
 
-def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLike) -> PSRuntime:
+def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLike,
+                 link: LinkModel | None = None) -> PSRuntime:
     """Connect a restarted worker process to a running job as ``worker`` (no torch.distributed needed).
 
     ``control_plane`` is ``HOST:PORT`` or the job's ``gba.control_file``. Checks, each a
@@ -409,14 +439,16 @@ def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLik
     logger.info("worker %d rejoined the job at %s:%d as incarnation %d", worker, host, port, incarnation)
     return PSRuntime(rank=worker, layout=lay, ps_group=None, worker_group=None, store=store, store_host=host,
                      store_port=port, timeout_s=config.timeout_s, heartbeat_s=config.heartbeat_s,
-                     incarnation=incarnation, _heartbeat=heartbeat, _links=links)
+                     incarnation=incarnation, _heartbeat=heartbeat, _links=links, link_model=link)
 
 
-def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1") -> PSRuntime:
+def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkModel | None = None) -> PSRuntime:
     """Create the PS groups and control plane; every rank of the launch must call it, in the same order.
 
     ``control_host`` is the launch's master address (the launcher's ``MASTER_ADDR``): the
     first server hosts the control plane on its address that peers reaching it can reach.
+    ``link``: a modelled slow link for this rank's parameter-server messages (``ps/link.py``);
+    pass the same one on every rank, so that requests and replies both pay it.
 
     Raises ValueError for a bad ``num_servers`` (on every rank, before any collective).
 
@@ -450,4 +482,4 @@ def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1") -> PSRuntim
     logger.info("rank %d is a PS %s; control plane at %s:%d", rank, lay.role(rank), host, port)
     return PSRuntime(rank=rank, layout=lay, ps_group=ps_group, worker_group=worker_group, store=store,
                      store_host=host, store_port=port, timeout_s=config.timeout_s,
-                     heartbeat_s=config.heartbeat_s, _heartbeat=heartbeat)
+                     heartbeat_s=config.heartbeat_s, _heartbeat=heartbeat, link_model=link)

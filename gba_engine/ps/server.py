@@ -50,8 +50,9 @@ from .optim import OptimizerSpec, RowOptimizer
 from .runtime import Liveness, PSConnectionError, PSRuntime
 from .schedule import ServerLRSchedule
 from .sharding import DenseSharding, ServerTableSpec, local_index
-from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_STALLED, Header, Kind, Outgoing, ProtocolError, pack_floats,
-                   recv_message, schema_id, send_message, unpack_floats, unpack_ints)
+from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_PREFETCH, FLAG_STALLED, FLAG_VALIDATE, Header, Kind, Outgoing,
+                   ProtocolError, pack_floats, pack_ints, pack_mask, recv_message, schema_id, send_message,
+                   unpack_floats, unpack_ints)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class _PendingPull:
     min_version: int
     want_dense: bool
     rows: tuple[Tensor, ...]  # local row indices per table
+    known: tuple[Tensor, ...] | None = None  # FLAG_VALIDATE: the row stamps the worker holds (-1: none) per table
+    prefetch: bool = False  # asked ahead of need: waiting on it alone is no stall
 
 
 @dataclasses.dataclass
@@ -165,8 +168,13 @@ class ParameterServer:
         self._dense = torch.nn.Parameter(shard.to(torch.float32).clone())
         self._dense_opt = optimizer_spec.build_dense([self._dense]) if end > start else None
         self._tables: dict[str, RowOptimizer] = {}
-        for spec in self.specs:
-            self._tables[spec.name] = optimizer_spec.build_rows(self._initial_rows(spec, (table_init or {}).get(spec.name)))
+        for spec in self.specs:  # a table with its own optimizer (a picasso block's) uses it instead of the job's
+            self._tables[spec.name] = (spec.optimizer or optimizer_spec).build_rows(
+                self._initial_rows(spec, (table_init or {}).get(spec.name)))
+        # the row clock: bumped by every update or overwrite of rows; a row's stamp is the clock when it last
+        # changed, so a worker's cached row read at clock c is current while its stamp stays <= c (row_cache.py)
+        self._row_clock = 0
+        self._row_stamps = {name: torch.zeros(t.weight.shape[0], dtype=torch.int64) for name, t in self._tables.items()}
         m = len(self.workers) if grads_per_update is None else grads_per_update
         self.control = TokenControl(m, StalenessDecay.from_config(config.staleness))
         self._buffer = GlobalBatchBuffer(end - start, {s.name: s.dim for s in self.specs})
@@ -280,6 +288,7 @@ class ParameterServer:
         for name, state in tables.items():
             try:
                 self._tables[name].load_state_dict(state)
+                self._touch_rows(name, None)
             except ValueError as exc:
                 raise ValueError(f"PS {self.index}, table {name!r}: {exc}") from exc
 
@@ -405,7 +414,10 @@ class ParameterServer:
             self._on_put(header, ints, floats)
         elif header.kind is Kind.BYE:
             self._peers[src] = _Peer.BYE
+            waiting = [p for p in self._deferred if p.src == src]
             self._deferred = [p for p in self._deferred if p.src != src]
+            for pull in waiting:  # every request gets one reply (a leaving worker reads them all, then goes)
+                self._reply(pull)
         else:
             raise ProtocolError(f"PS {self.index}: worker {src} sent a {header.kind.name}, which only servers send")
 
@@ -436,8 +448,19 @@ class ParameterServer:
         if header.flags & FLAG_DENSE and not self._dense_active:
             raise ProtocolError(f"PS {self.index}: worker {src} asked for dense parameters in a tables-only phase, "
                                 "where the servers' dense copy is stale (DeepSpeed holds the current one)")
+        known = None
+        if header.flags & FLAG_VALIDATE:  # ids, then as many stamps: split the payload's 2T blocks
+            if header.flags & FLAG_DENSE:
+                raise ProtocolError(f"PS {self.index}: worker {src} sent a validating pull asking for the dense part")
+            blocks = unpack_ints(ints, 2 * len(self.specs))
+            ids, known = blocks[:len(self.specs)], tuple(blocks[len(self.specs):])
+            if [b.numel() for b in ids] != [k.numel() for k in known]:
+                raise ProtocolError(f"PS {self.index}: validating pull of worker {src} has ids and stamps that differ "
+                                    "in length")
+            ints = torch.cat([ints[:len(self.specs)], *ids])
         pull = _PendingPull(src=src, seq=header.seq, min_version=header.min_version,
-                            want_dense=bool(header.flags & FLAG_DENSE), rows=self._rows_of(ints))
+                            want_dense=bool(header.flags & FLAG_DENSE), rows=self._rows_of(ints), known=known,
+                            prefetch=bool(header.flags & FLAG_PREFETCH))
         if self._finished or self.data_ended or pull.min_version <= self.version:
             self._reply(pull)
         else:
@@ -478,6 +501,7 @@ class ParameterServer:
         for spec, r, v in zip(self.specs, rows, values):
             if r.numel():
                 self._tables[spec.name].put(r, v)
+                self._touch_rows(spec.name, r)
 
     def _apply(self) -> None:
         batch = self._buffer.mean()
@@ -486,8 +510,8 @@ class ParameterServer:
             lr = self._lr_schedule.lr(self.version)
             for group in self._dense_opt.param_groups if self._dense_opt is not None else ():
                 group["lr"] = lr
-            for table in self._tables.values():
-                table.lr = lr
+            for spec in self.specs:  # own optimizers scale their lr by the schedule (TableOptimizerSpec)
+                self._tables[spec.name].lr = lr if spec.optimizer is None else spec.optimizer.scheduled_lr(lr)
         if self._dense_opt is not None and self._dense_active:
             if self.clip_norm:
                 self._clip(batch.dense)
@@ -496,6 +520,7 @@ class ParameterServer:
             self._dense.grad = None
         for name, table in self._tables.items():
             table.step(batch.ids[name], batch.rows[name])
+            self._touch_rows(name, batch.ids[name])  # lazy row optimizers change only the batch's rows
         version = self.control.commit()
         self.rt.store.set(version_key(self.rt.rank), encode_int(version))  # for monitors and the auto-mode switcher
 
@@ -535,23 +560,39 @@ class ParameterServer:
     def _reply(self, pull: _PendingPull, extra_flags: int = 0) -> None:
         if self._peers.get(pull.src) is _Peer.DEAD:
             return
-        blocks = [self._tables[s.name].weight[r] for s, r in zip(self.specs, pull.rows)]
+        ints, blocks = self._reply_rows(pull)
         # pack_floats concatenates into a new tensor: later updates cannot touch data still being sent
         floats = pack_floats(self._dense.detach() if pull.want_dense else None, blocks)
         flags = (FLAG_FINISHED if self._finished else 0) | extra_flags
         header = Header(kind=Kind.REPLY, seq=pull.seq, src=self.rt.rank, schema=self.schema, version=self.version,
-                        flags=flags, n_floats=floats.numel())
+                        flags=flags, n_ints=0 if ints is None else ints.numel(), n_floats=floats.numel(),
+                        stamp=self._row_clock)
         try:
-            self._outgoing[pull.src].append(send_message(header, None, floats, self.rt.link(pull.src)))
+            self._outgoing[pull.src].append(send_message(header, ints, floats, self.rt.link(pull.src)))
             self.rt.ring(pull.src)
         except RuntimeError as exc:
             self._mark_dead(pull.src, exc)
 
+    def _reply_rows(self, pull: _PendingPull) -> tuple[Tensor | None, list[Tensor]]:
+        """The rows a reply carries: all asked ones, or (validating pull) those changed since the worker's stamp."""
+        if pull.known is None:
+            return None, [self._tables[s.name].weight[r] for s, r in zip(self.specs, pull.rows)]
+        changed = [self._row_stamps[s.name][r] > k for s, r, k in zip(self.specs, pull.rows, pull.known)]
+        rows = [self._tables[s.name].weight[r[c]] for s, r, c in zip(self.specs, pull.rows, changed)]
+        return pack_ints([pack_mask(c) for c in changed]), rows  # which asked rows follow: one bit each
+
+    def _touch_rows(self, name: str, rows: Tensor | None) -> None:
+        """Tick the row clock and stamp ``rows`` of table ``name`` (None: every row) as changed now."""
+        self._row_clock += 1
+        if rows is None:
+            self._row_stamps[name].fill_(self._row_clock)
+        elif rows.numel():
+            self._row_stamps[name][rows] = self._row_clock
+
     def _reap(self, src: int) -> None:
-        # the worker sent a new request, so it has received every earlier reply: these waits return at once
-        for out in self._outgoing[src]:
-            out.wait()
-        self._outgoing[src] = []
+        # forget the replies the worker has received; one it has not read yet (a prefetch's, read when the worker
+        # next waits) is kept: waiting for it here would stall every worker on this one
+        self._outgoing[src] = [out for out in self._outgoing[src] if not out.done()]
 
     def _flush_outgoing(self) -> None:
         for w, outs in self._outgoing.items():
@@ -602,7 +643,7 @@ class ParameterServer:
     def _check_stall(self) -> None:
         # every live worker waits for a newer version, so no push can come: tell them instead of hanging
         active = {w for w, p in self._peers.items() if p is _Peer.ACTIVE}
-        waiting = {p.src for p in self._deferred}
+        waiting = {p.src for p in self._deferred if not p.prefetch}  # a prefetch is answered once the push comes
         now = time.monotonic()
         # a worker silent for less than timeout_s may only be slow and could still push: not a stall yet
         maybe_back = any(self._peers[w] is _Peer.SILENT and now - t < self.rt.timeout_s

@@ -25,6 +25,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .optim import TableOptimizerSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerTableSpec:
@@ -32,12 +34,15 @@ class ServerTableSpec:
 
     Not picasso_ops' ``TableSpec``: that one describes a table a worker holds (pooling,
     sparse optimizer, dtype, fields); this one only what the servers need to own their
-    shards (rows, dim, and the seeded per-shard N(0, init_std) start). The servers' optimizer
-    is the job's (``OptimizerSpec``), not the table's.
+    shards (rows, dim, and the seeded per-shard N(0, init_std) start). The servers update its
+    rows with the job's optimizer (``OptimizerSpec``, DeepSpeed's ``"optimizer"`` block) unless
+    ``optimizer`` gives the table its own (``TableOptimizerSpec``: a picasso block's sparse
+    optimizer and lr schedule, used for this table instead).
 
     Example::
 
         ServerTableSpec("user_id", num_rows=1_000_000, dim=16, init_std=0.01)
+        ServerTableSpec("pack0", 2_600_000, 16, optimizer=TableOptimizerSpec.of("rowwise_adagrad", lr=0.05))
     """
 
     name: str
@@ -45,6 +50,7 @@ class ServerTableSpec:
     dim: int
     init_std: float = 0.01  # N(0, init_std) rows when no initial table is given
     seed: int = 0
+    optimizer: TableOptimizerSpec | None = None  # None: the job's optimizer updates the rows
 
     def __post_init__(self) -> None:
         if not self.name:

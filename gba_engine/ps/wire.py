@@ -57,6 +57,9 @@ class Kind(enum.IntEnum):
 FLAG_DENSE = 1  # PULL: include the dense shard / PUT: the floats start with a dense shard
 FLAG_FINISHED = 2  # REPLY: the server reached its final version and accepts no more gradients
 FLAG_STALLED = 4  # REPLY: every live worker waits for a version no push can produce
+FLAG_VALIDATE = 8  # PULL: the ids are followed by the row stamps the worker holds (-1: none); the REPLY sends only
+#                    the rows changed since, after an ints mask of which ones (the worker-side row cache's pull)
+FLAG_PREFETCH = 16  # PULL: asked ahead of need (a prefetch); a server waiting on it alone has not stalled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +76,13 @@ class Header:
     flags: int = 0
     n_ints: int = 0
     n_floats: int = 0
+    stamp: int = 0  # REPLY: the server's row clock (bumped by every update or overwrite of rows)
 
     def to_tensor(self) -> Tensor:
         """The header as int64[HEADER_LEN]."""
         return torch.tensor(
             [MAGIC, int(self.kind), self.seq, self.src, self.schema, self.version, self.min_version,
-             self.num_samples, self.flags, self.n_ints, self.n_floats, 0],
+             self.num_samples, self.flags, self.n_ints, self.n_floats, self.stamp],
             dtype=torch.int64,
         )
 
@@ -98,7 +102,7 @@ class Header:
         if not (0 <= n_ints < MAX_ELEMENTS and 0 <= n_floats < MAX_ELEMENTS):
             raise ProtocolError(f"payload sizes out of range: ints={n_ints} floats={n_floats}")
         return cls(kind=kind, seq=v[2], src=v[3], schema=v[4], version=v[5], min_version=v[6],
-                   num_samples=v[7], flags=v[8], n_ints=n_ints, n_floats=n_floats)
+                   num_samples=v[7], flags=v[8], n_ints=n_ints, n_floats=n_floats, stamp=v[11])
 
 
 def schema_id(dense_numel: int, specs: Sequence[ServerTableSpec]) -> int:
@@ -123,6 +127,31 @@ def unpack_ints(ints: Tensor, num_tables: int) -> list[Tensor]:
     return list(torch.split(ints[num_tables:], counts))
 
 
+MASK_BITS = 32  # bits of a changed-row mask per int64 word (stays clear of the sign bit)
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """A bool vector as int64 words of MASK_BITS bits (bit i of word w is element ``w * MASK_BITS + i``).
+
+    Example::
+
+        unpack_mask(pack_mask(torch.tensor([True, False, True])), 3).tolist()     # [True, False, True]
+    """
+    n = mask.numel()
+    padded = torch.zeros(-(-n // MASK_BITS) * MASK_BITS, dtype=torch.int64)
+    padded[:n] = mask.reshape(-1).to(torch.int64)
+    weights = torch.ones(MASK_BITS, dtype=torch.int64) << torch.arange(MASK_BITS, dtype=torch.int64)
+    return (padded.view(-1, MASK_BITS) * weights).sum(dim=1)
+
+
+def unpack_mask(words: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_mask`: the first ``n`` bits as a bool vector."""
+    if words.numel() != -(-n // MASK_BITS):
+        raise ProtocolError(f"a mask of {n} rows needs {-(-n // MASK_BITS)} words, got {words.numel()}")
+    bits = (words.reshape(-1, 1) >> torch.arange(MASK_BITS, dtype=torch.int64)) & 1
+    return bits.reshape(-1)[:n].to(torch.bool)
+
+
 def pack_floats(dense: Tensor | None, row_blocks: Sequence[Tensor]) -> Tensor:
     """Dense shard (optional) then each table's rows, flattened into one float32 tensor."""
     parts = ([dense.reshape(-1)] if dense is not None else []) + [r.reshape(-1) for r in row_blocks]
@@ -144,6 +173,10 @@ class Outgoing:
 
     works: list
     tensors: list[Tensor]
+
+    def done(self) -> bool:
+        """Whether every transfer has completed (the receiver has taken the data); never blocks."""
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         """Wait for the transfers; only call once the receiver has been told to receive."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
 from picasso_ops.models.stages import DLRMStages
-from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
+from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs, TowerFactory, mlp_tower
 
 __all__ = ["DLRMArgs", "DLRM", "DotInteraction", "packed_dlrm"]
 
@@ -41,17 +41,6 @@ class DLRMArgs:
     bottom: tuple[int, ...] = (64,)  # hidden widths; a last layer to embedding_dim is added
     top: tuple[int, ...] = (128, 64)  # hidden widths; a last layer to one logit is added
     pooling: str = "sum"
-
-
-def _mlp(width: int, hidden: tuple[int, ...], out: int, last_relu: bool) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, out))
-    if last_relu:
-        layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 class DotInteraction(nn.Module):
@@ -88,6 +77,9 @@ class DLRM(nn.Module, StageableModel):
         embeddings: a :class:`~picasso_ops.contracts.FieldEmbeddingLookup` module mapping
             ``(values, lengths [F, B])`` to ``[B, F, D]``; default one ``nn.EmbeddingBag``
             per field (the plain baseline).
+        top_mlp: a :data:`~picasso_ops.models.wide_deep.TowerFactory` building the top MLP
+            from its input width ``D + (F + 1) F / 2`` (e.g. one with MoE layers); default
+            ``args.top``'s ReLU MLP (``top.0.weight``, ...), the same module with or without the argument.
 
     Example::
 
@@ -96,14 +88,16 @@ class DLRM(nn.Module, StageableModel):
         torch.Size([3])
     """
 
-    def __init__(self, args: DLRMArgs, embeddings: Optional[FieldEmbeddingLookup] = None) -> None:
+    def __init__(self, args: DLRMArgs, embeddings: Optional[FieldEmbeddingLookup] = None,
+                 top_mlp: Optional[TowerFactory] = None) -> None:
         super().__init__()
         self.args = args
         self.embeddings = embeddings or FieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, 0.01)
-        self.bottom = _mlp(args.num_dense, args.bottom, args.embedding_dim, last_relu=True)
+        self.bottom = mlp_tower(args.num_dense, args.bottom, args.embedding_dim, last_relu=True)
         # a submodule, so the model's own state is all in children (InterleavedForward wraps such models)
         self.interaction = DotInteraction(len(args.vocab_sizes))
-        self.top = _mlp(args.embedding_dim + self.interaction.num_pairs, args.top, 1, last_relu=False)
+        width = args.embedding_dim + self.interaction.num_pairs
+        self.top = top_mlp(width) if top_mlp is not None else mlp_tower(width, args.top)
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)  # [B, D]
@@ -114,8 +108,10 @@ class DLRM(nn.Module, StageableModel):
         return DLRMStages(self)
 
 
-def packed_dlrm(args: DLRMArgs, sparse: SparseArgs) -> DLRM:
+def packed_dlrm(args: DLRMArgs, sparse: SparseArgs, top_mlp: Optional[TowerFactory] = None) -> DLRM:
     """:class:`DLRM` over a packed (data-parallel or row-sharded) collection, one table per field.
+
+    ``top_mlp``: the top MLP's factory, as in :class:`DLRM`.
 
     Example::
 
@@ -123,4 +119,4 @@ def packed_dlrm(args: DLRMArgs, sparse: SparseArgs) -> DLRM:
         DLRM(...)
     """
     embeddings = PackedFieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
-    return DLRM(args, embeddings=embeddings)
+    return DLRM(args, embeddings=embeddings, top_mlp=top_mlp)

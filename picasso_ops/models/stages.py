@@ -2,6 +2,8 @@
 
 ``WideAndDeep.pipeline_stages()`` and ``DLRM.pipeline_stages()`` return these, so
 ``picasso_ops.interleave`` runs the models' micro-batches without importing them.
+Whatever MLP a model holds (its default one or an injected tower, e.g. an MoE tower), the
+dense stage calls it once per micro-batch, as ``forward`` calls it once per batch.
 
 Example::
 

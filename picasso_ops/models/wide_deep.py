@@ -34,6 +34,8 @@ from picasso_ops.models.stages import WideAndDeepStages
 logger = logging.getLogger(__name__)
 
 Sharding = Literal["data_parallel", "row_wise"]
+TowerFactory = Callable[[int], nn.Module]
+"""Builds a model's MLP from its input width: a module mapping ``[B, width]`` rows to ``[B, 1]`` logits."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,28 @@ class WideAndDeepArgs:
     hidden: tuple[int, ...] = (256, 128)
     pooling: str = "mean"  # of a multi-hot field's rows
     fm: bool = True  # the factorisation-machine pairwise term over field embeddings
+
+
+def mlp_tower(width: int, hidden: tuple[int, ...], out: int = 1, last_relu: bool = False) -> nn.Sequential:
+    """``Linear -> ReLU`` per hidden width, then ``Linear(.., out)`` (and a ReLU with ``last_relu``).
+
+    Example::
+
+        >>> mlp_tower(8, (4,))
+        Sequential(
+          (0): Linear(in_features=8, out_features=4, bias=True)
+          (1): ReLU()
+          (2): Linear(in_features=4, out_features=1, bias=True)
+        )
+    """
+    layers: list[nn.Module] = []
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, out))
+    if last_relu:
+        layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
 
 
 class FieldEmbeddings(nn.Module):
@@ -80,28 +104,29 @@ class WideAndDeep(nn.Module, StageableModel):
 
     ``embeddings`` (``[B, F, embedding_dim]``) and ``wide`` (``[B, F, 1]``) are any
     :class:`~picasso_ops.contracts.FieldEmbeddingLookup` (default :class:`FieldEmbeddings`).
+    ``deep_tower`` (a :data:`TowerFactory`) builds the deep MLP from its input width
+    ``F * embedding_dim + num_dense``, e.g. one with MoE layers; by default it is
+    ``args.hidden``'s ReLU MLP (``mlp.0.weight``, ...), the same module with or without the argument.
 
     Example::
 
         >>> WideAndDeep(WideAndDeepArgs([5, 5], 2))(torch.zeros(3, 2), torch.arange(6) % 5, torch.ones(2, 3, dtype=torch.long)).shape
         torch.Size([3])
+        >>> WideAndDeep(WideAndDeepArgs([5, 5], 2), deep_tower=lambda width: nn.Linear(width, 1)).mlp
+        Linear(in_features=34, out_features=1, bias=True)
     """
 
     def __init__(self, args: WideAndDeepArgs, embeddings: FieldEmbeddingLookup | None = None,
-                 wide: FieldEmbeddingLookup | None = None):
+                 wide: FieldEmbeddingLookup | None = None, deep_tower: TowerFactory | None = None):
         super().__init__()
         self.args = args
         num_fields = len(args.vocab_sizes)
         self.embeddings = embeddings or FieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, 0.01)
         self.wide = wide or FieldEmbeddings(args.vocab_sizes, 1, args.pooling, 0.0)
         self.wide_dense = nn.Linear(args.num_dense, 1)
-        layers: list[nn.Module] = []
         width = num_fields * args.embedding_dim + args.num_dense
-        for h in args.hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
+        # built where the default MLP is, so the RNG draws of everything before it are the same either way
+        self.mlp = deep_tower(width) if deep_tower is not None else mlp_tower(width, args.hidden)
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         emb = self.embeddings(values, lengths)  # [B, F, D]
@@ -215,7 +240,8 @@ class PackedFieldEmbeddings(nn.Module):
 
 
 def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs,
-                         field_embeddings: Optional[Callable[..., FieldEmbeddingLookup]] = None) -> WideAndDeep:
+                         field_embeddings: Optional[Callable[..., FieldEmbeddingLookup]] = None,
+                         deep_tower: TowerFactory | None = None) -> WideAndDeep:
     """:class:`WideAndDeep` whose deep and wide embeddings are packed collections.
 
     Deep tables start like the plain model's (normal, std 0.01) and wide ones at
@@ -223,6 +249,7 @@ def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs,
     ``field_embeddings(vocab_sizes, dim, pooling, sparse, init_std, prefix)``
     builds each of the two (default :class:`PackedFieldEmbeddings`; the picasso
     block passes one that builds straight into a hot-row cache's store).
+    ``deep_tower``: the deep MLP's factory, as in :class:`WideAndDeep`.
 
     Example::
 
@@ -233,4 +260,4 @@ def packed_wide_and_deep(args: WideAndDeepArgs, sparse: SparseArgs,
     make = field_embeddings or PackedFieldEmbeddings
     embeddings = make(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
     wide = make(args.vocab_sizes, 1, args.pooling, sparse, 0.0, "wide")
-    return WideAndDeep(args, embeddings=embeddings, wide=wide)
+    return WideAndDeep(args, embeddings=embeddings, wide=wide, deep_tower=deep_tower)

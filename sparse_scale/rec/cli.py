@@ -75,6 +75,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash", type=_argument(parse_crash), default=None, metavar="RANK:STEP",
                    help="RANK exits at once (code 17, no goodbye) after its optimizer step STEP: fault-tolerance "
                         "demos and tests (in gba mode the others go on; --rejoin-as replaces it)")
+    p.add_argument("--ps-link-latency-ms", type=float, default=0.0, metavar="MS",
+                   help="with a gba block: model a slower link to the parameter servers, delivering every message "
+                        "MS ms one-way later (gba_engine/ps/link.py; 0: off)")
+    p.add_argument("--ps-link-mbit", type=float, default=0.0, metavar="MBIT",
+                   help="with a gba block: model the link to the parameter servers at MBIT Mbit/s per direction "
+                        "(0: unlimited)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p.parse_args(argv)
 
@@ -90,7 +96,8 @@ def job_config(args: argparse.Namespace) -> RecJobConfig:
         embedding_dim=args.embedding_dim, model=args.model, eval_samples=args.eval_samples,
         eval_every=args.eval_every, save_every=args.save_every, resume=args.resume, seed=args.seed,
         threads=args.threads, stragglers=tuple(stragglers), server_tables=args.server_tables,
-        rejoin_as=args.rejoin_as, crash=crash)
+        rejoin_as=args.rejoin_as, crash=crash, ps_link_latency_ms=args.ps_link_latency_ms,
+        ps_link_mbit=args.ps_link_mbit)
 
 
 def _show_notices() -> None:

@@ -34,16 +34,54 @@ def _gba(job: RecJobConfig):
     return job.loaded.blocks.get("gba")
 
 
+def _picasso(job: RecJobConfig):
+    return job.loaded.blocks.get("picasso")
+
+
+def _moe(job: RecJobConfig):
+    return job.loaded.blocks.get("moe_proto")
+
+
 RULES: tuple[Rule, ...] = (
-    Rule("gba+picasso",
-         lambda j: _gba(j) is not None and "picasso" in j.loaded.blocks,
-         lambda j: f"{j.config}: the gba and picasso blocks cannot be combined yet (the parameter servers hold "
-                   "the dense parameters; packed tables update on the workers)"),
+    Rule("gba+picasso-row-wise",
+         lambda j: _gba(j) is not None and _picasso(j) is not None and _picasso(j).sharding == "row_wise",
+         lambda j: f"{j.config}: picasso.sharding 'row_wise' with a gba block: the packed tables' rows are "
+                   "spread over the parameter servers by id already; use sharding 'data_parallel' (the default)"),
+    Rule("gba+picasso-cache",
+         lambda j: (_gba(j) is not None and _picasso(j) is not None and _picasso(j).cache is not None
+                    and _picasso(j).cache.store != "ps"),
+         lambda j: f"{j.config}: picasso.cache.store={_picasso(j).cache.store!r} with a gba block: that store keeps "
+                   "trained rows on the worker, while with gba the parameter servers own the rows and their "
+                   "optimizer; use store 'ps' (a read cache in front of the servers, gba_engine/row_cache.py)"),
+    Rule("ps-link-without-gba",
+         lambda j: _gba(j) is None and (j.ps_link_latency_ms > 0 or j.ps_link_mbit > 0),
+         lambda j: f"{j.config}: --ps-link-latency-ms / --ps-link-mbit model the link to the parameter servers, "
+                   "which only a gba block has"),
+    Rule("gba+picasso-interleave",
+         lambda j: _gba(j) is not None and _picasso(j) is not None and _picasso(j).interleave.micro_batches > 1,
+         lambda j: f"{j.config}: picasso.interleave.micro_batches > 1 with a gba block: interleaving overlaps "
+                   "the fused sparse backward of worker-held tables, while the servers' tables take their update "
+                   "at the step boundary from one push; set micro_batches to 1"),
+    Rule("gba+picasso-prefetch",
+         lambda j: _gba(j) is not None and _picasso(j) is not None and _picasso(j).interleave.prefetch_batches > 0,
+         lambda j: f"{j.config}: picasso.interleave.prefetch_batches > 0 with a gba block: a gba job hands its "
+                   "batches out by number (claim_batches), so there is no rank stream to read ahead; set it to 0"),
     Rule("eval-every+async",
          lambda j: _gba(j) is not None and _gba(j).mode != "sync" and j.eval_every > 0,
          lambda j: f"{j.config}: --eval-every with gba.mode={_gba(j).mode!r}: workers run at their own pace in gba "
                    "mode and evaluation is a collective over them; evaluate at the end (or score the --save-every "
                    "checkpoints)"),
+    Rule("gba+moe-expert-parallel",
+         lambda j: _gba(j) is not None and _moe(j) is not None and _moe(j).ep_size > 1,
+         lambda j: f"{j.config}: moe_proto.ep_size={_moe(j).ep_size} with a gba block: expert parallelism sends "
+                   "every sample's rows to their experts' owners by all-to-all, which needs the workers in lockstep, "
+                   "while gba workers run at their own pace (and DeepSpeed's expert groups would span the parameter "
+                   "servers); use ep_size 1: with a gba block every worker holds every expert, trained through the "
+                   "servers like the other dense parameters"),
+    Rule("moe-model-in-rec",
+         lambda j: "moe_model" in j.loaded.blocks,
+         lambda j: f"{j.config}: a moe_model block shapes the MoE language model (launch/train_moe_lm.py); a rec "
+                   "job's MoE tower is --model's MLP with the moe_proto block's experts: remove the moe_model block"),
     Rule("rejoin+resume",
          lambda j: _gba(j) is not None and j.rejoin_as is not None and j.resume,
          lambda j: "--rejoin-as continues the running job's state; it cannot --resume a checkpoint"),

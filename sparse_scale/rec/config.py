@@ -62,6 +62,8 @@ class RecJobConfig:
     server_tables: bool = False
     rejoin_as: int | None = None
     crash: Crash | None = None
+    ps_link_latency_ms: float = 0.0  # modelled one-way latency to the parameter servers (gba_engine/ps/link.py)
+    ps_link_mbit: float = 0.0  # modelled bandwidth to the parameter servers, Mbit/s (0: unlimited)
     loaded: JobConfig | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,9 @@ class RecJobConfig:
                 raise RecJobError(f"{flag} {value}: must be >= {low}")
         if not (math.isfinite(self.zipf) and self.zipf >= 0):
             raise RecJobError(f"--zipf {self.zipf}: must be a finite exponent >= 0")
+        for flag, value in (("--ps-link-latency-ms", self.ps_link_latency_ms), ("--ps-link-mbit", self.ps_link_mbit)):
+            if not (math.isfinite(value) and value >= 0):
+                raise RecJobError(f"{flag} {value}: must be a finite number >= 0")
         if not 0.0 <= self.max_bad_fraction <= 1.0:  # also false for NaN
             raise RecJobError(f"--max-bad-fraction {self.max_bad_fraction}: must be in [0, 1]")
         # tuples, so that the frozen config is hashable and cannot be changed through a list it was given

@@ -77,6 +77,7 @@ class RankStream:
 
     def __init__(self, source: Iterable[CTRBatch], micro_batch: int, finite: bool) -> None:
         self.source, self.micro_batch, self.finite = source, micro_batch, finite
+        self._infinite_step: int | None = None  # samples per micro-step of an endless stream (the group is fixed)
 
     def __iter__(self) -> Iterator[CTRBatch]:
         return iter(self.source)
@@ -85,9 +86,11 @@ class RankStream:
         return self.source.state()
 
     def step_samples(self, batch: CTRBatch | None, group: Any) -> int:
+        if not self.finite:  # every rank trains micro_batch samples per micro-step: no collective, no query
+            if self._infinite_step is None:
+                self._infinite_step = self.micro_batch * (dist.get_world_size(group) if dist.is_initialized() else 1)
+            return self._infinite_step
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if not self.finite:
-            return self.micro_batch * world
         have_and_size = torch.tensor([0, 0] if batch is None else [1, batch.batch_size])
         if world > 1:
             dist.all_reduce(have_and_size, group=group)

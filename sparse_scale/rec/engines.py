@@ -187,7 +187,18 @@ class GBARecEngine:
         self.engine.backward(loss)
 
     def step(self) -> None:
-        self.engine.step()  # no packed tables with gba (the combinations refuse the picasso block)
+        self.engine.step()  # server tables (per-field or packed) take their update from the push
+
+    def prefetch(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Start pulling the server rows the next batch (field-major ``values``/``lengths``) looks up; returns at once.
+
+        Only with a row cache whose ``prefetch`` is on; call it after this batch's forward.
+        """
+        if self.engine.row_cache is None or not self.engine.row_cache.prefetch_enabled:
+            return
+        ids = next_lookup_ids(self.module, values, lengths)
+        if ids:
+            self.engine.prefetch_rows(ids)
 
     def train(self) -> None:
         self.engine.train()
@@ -243,6 +254,25 @@ class GBARecEngine:
         self.engine.close()  # the parameter servers stop once every worker closed
 
 
+def next_lookup_ids(model: torch.nn.Module, values: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Unique ids per server table that ``model``'s lookups of a field-major batch read.
+
+    Per-field server tables (``ServerFieldEmbeddings``) split ``values`` by field; packed ones
+    (``ServerPackedFieldEmbeddings``) say their groups' ids through ``table_ids``.
+    """
+    from gba_engine.packed_tables import ServerPackedFieldEmbeddings
+    from gba_engine.tables import ServerFieldEmbeddings
+
+    out: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, ServerFieldEmbeddings):
+            per_field = values.split(lengths.sum(dim=1).tolist())
+            out.update({name: torch.unique(ids) for name, ids in zip(module.names, per_field)})
+        elif isinstance(module, ServerPackedFieldEmbeddings):
+            out.update({name: torch.unique(ids) for name, ids in module.table_ids(values, lengths).items()})
+    return out
+
+
 def control_file(gba: Any, out: str) -> str:
     """Where the servers' address is written for a restarted worker: beside the checkpoints unless the block says."""
     return gba.control_file or str(Path(out) / "gba_control_plane")
@@ -263,6 +293,13 @@ def rejoin_context(config: RecJobConfig) -> DistContext:
                        local_world_size=1)
 
 
+def row_cache_config(job: RecJob) -> Any:
+    """The picasso block's ``cache`` when it fronts the parameter servers (``store: "ps"``), else None."""
+    block = job.picasso
+    cache = block.cache if block is not None else None
+    return cache if cache is not None and cache.store == "ps" else None
+
+
 def build_engine(job: RecJob, model: torch.nn.Module, ctx: DistContext,
                  sparse_lr: float | None) -> RecEngine | ServedJob:
     """The engine for the job's mode: DeepSpeed's without a gba block, else a GBA worker's (or a served job).
@@ -273,15 +310,25 @@ def build_engine(job: RecJob, model: torch.nn.Module, ctx: DistContext,
     if job.gba is not None:
         import gba_engine
 
+        from gba_engine.ps.link import LinkModel
+
         block = {**job.gba.model_dump(), "control_file": control_file(job.gba, job.config.out)}
         config = {**job.ds, "gba": block}
+        link = LinkModel(latency_ms=job.config.ps_link_latency_ms, mbit=job.config.ps_link_mbit)
+        cache = row_cache_config(job)
         if job.config.rejoin_as is not None:
-            return GBARecEngine(gba_engine.rejoin(model=model, config=config, worker=job.config.rejoin_as))
-        engine = gba_engine.initialize(model=model, config=config, control_host=ctx.master_addr)
+            return GBARecEngine(gba_engine.rejoin(model=model, config=config, worker=job.config.rejoin_as,
+                                                  row_cache=cache, link=link))
+        engine = gba_engine.initialize(model=model, config=config, control_host=ctx.master_addr, row_cache=cache,
+                                       link=link)
         if engine.is_server:
             return ServedJob(engine.server_stats)
         return GBARecEngine(engine)
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=job.ds)
-    return DeepSpeedRecEngine(engine, sparse_lr)
+    from sparse_scale.rec import moe_tower  # it builds on this module's DeepSpeedRecEngine
+
+    # an MoE tower: the experts in their own param groups, expert-aware clipping and MoE checkpoints
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=moe_tower.optimizer_param_groups(model),
+                                           config=job.ds)
+    return moe_tower.deepspeed_rec_engine(engine, sparse_lr)

@@ -21,6 +21,7 @@ from sparse_scale.rec.data import TrainStream
 from sparse_scale.rec.engines import RecEngine
 from sparse_scale.rec.faults import FaultInjector
 from sparse_scale.rec.job import RecJob
+from sparse_scale.rec.moe_tower import load_events, plus_aux_loss, towers_of
 
 logger = logging.getLogger(__name__)
 notice = logging.getLogger("sparse_scale.rec.notice")
@@ -52,8 +53,9 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
     bar = tqdm(total=cfg.steps, initial=progress.step, desc="train", unit="step", disable=job.rank != 0,
                dynamic_ncols=True, mininterval=1.0)
     batches = iter(stream)
+    towers = towers_of(engine.module)  # MoE towers: their aux loss joins the loss, their load the monitor
     train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
-    running = torch.zeros(2)
+    loss_sum, loss_count = 0.0, 0  # since the last LOG_EVERY point (plain floats: no tensor per micro-step)
     exhausted = False
     while (stream.is_claimed or progress.step < cfg.steps) and not exhausted:
         t0, step_samples, micro_done = time.perf_counter(), 0, 0
@@ -65,7 +67,7 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
                 exhausted = True  # a partial accumulation window is dropped, like drop_last
                 break
             tc = time.perf_counter()
-            loss = loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels)
+            loss = plus_aux_loss(loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels), towers)
             forward_s = time.perf_counter() - tc
             faults.before_backward(stream.job_step(progress))
             tb = time.perf_counter()
@@ -74,24 +76,24 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
             engine.step()
             micro_done += 1
             step_samples += samples  # claimed: this worker's samples (the job's are summed at the end)
-            running += torch.tensor([loss.item(), 1.0])
+            loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
         if exhausted:
             progress = dataclasses.replace(progress, micro_batches=progress.micro_batches + micro_done)
             break
         progress = progress.after_step(micro_done, step_samples)
         faults.after_step(progress.step)
-        x = stream.monitor_x(progress)
         samples_this_run += step_samples
         train_time += time.perf_counter() - t0
         bar.update(1)
         if progress.step % LOG_EVERY == 0:
-            mean_loss = (running[0] / running[1]).item()
-            running.zero_()
+            x = stream.monitor_x(progress)  # the monitor's x only where an event is written
+            mean_loss, loss_sum, loss_count = loss_sum / max(loss_count, 1), 0.0, 0
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             engine.write_events([("train/loss", mean_loss, x),
-                                 ("train/samples_per_s", progress.samples / max(train_time, 1e-9), x)])
+                                 ("train/samples_per_s", progress.samples / max(train_time, 1e-9), x),
+                                 *load_events(towers, x)])
         if cfg.eval_every and progress.step % cfg.eval_every == 0 and progress.step < cfg.steps:
-            metrics = evaluation.evaluate(engine, job)
+            metrics, x = evaluation.evaluate(engine, job), stream.monitor_x(progress)
             history.append({"step": progress.step, **metrics})
             engine.write_events([(f"eval/{k}", v, x) for k, v in metrics.items()])
         if cfg.save_every and stream.save_due(cfg.save_every, progress, mark):

@@ -18,6 +18,7 @@ from picasso_ops.embedding.sparse_optim import OPTIMIZERS
 from picasso_ops.models import DLRM, SparseArgs, WideAndDeep, packed_dlrm, packed_wide_and_deep
 from sparse_scale.rec.config import RecJobError
 from sparse_scale.rec.job import RecJob
+from sparse_scale.rec.moe_tower import tower_factory
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,28 @@ def scheduled_sparse_lr(block: Any) -> float | None:
     return float(block.optimizer.lr)
 
 
+def tower_kwargs(job: RecJob) -> dict[str, Any]:
+    """The model constructor's MLP argument for the job's ``moe_proto`` block (``{}`` without one).
+
+    Example::
+
+        WideAndDeep(job.model_args, **tower_kwargs(job))     # deep_tower=... with a moe_proto block
+    """
+    factory = tower_factory(job)
+    if factory is None:
+        return {}
+    return {"top_mlp": factory} if job.config.model == "dlrm" else {"deep_tower": factory}
+
+
 def _server_table_model(job: RecJob) -> torch.nn.Module:
     from gba_engine.tables import ServerFieldEmbeddings
 
     a, seed = job.model_args, job.config.seed
     deep = ServerFieldEmbeddings(a.vocab_sizes, a.embedding_dim, a.pooling, 0.01, "deep", seed=seed)
     if job.config.model == "dlrm":
-        return DLRM(a, embeddings=deep)
+        return DLRM(a, embeddings=deep, **tower_kwargs(job))
     return WideAndDeep(a, embeddings=deep, wide=ServerFieldEmbeddings(a.vocab_sizes, 1, a.pooling, 0.0, "wide",
-                                                                      seed=seed))
+                                                                      seed=seed), **tower_kwargs(job))
 
 
 def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
@@ -79,12 +93,12 @@ def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
         # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
         workdir = Path(job.config.out)
         if job.config.model == "dlrm":  # with a cache, apply_picasso_block moves the packed tables into the store
-            model = packed_dlrm(args, sparse)
+            model = packed_dlrm(args, sparse, **tower_kwargs(job))
         else:
             factory = None
             if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
                 factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
-            model = packed_wide_and_deep(args, sparse, field_embeddings=factory)
+            model = packed_wide_and_deep(args, sparse, field_embeddings=factory, **tower_kwargs(job))
         return apply_picasso_block(model, block, workdir=workdir, rank=job.rank)
     except PicassoBlockError as exc:
         raise RecJobError(f"{job.config.config}: {exc}") from None
@@ -100,9 +114,17 @@ def build_model(job: RecJob) -> torch.nn.Module:
     served through a hot-row cache with a ``cache`` block and run as interleaved
     micro-batches with ``interleave.micro_batches > 1`` (see picasso_ops.block).
     With ``server_tables`` (gba block): the same model, its tables on the parameter servers.
+    With a ``moe_proto`` block: the MLP is an MoE tower (:func:`tower_kwargs`, sparse_scale.rec.moe_tower).
+    With gba and picasso blocks: the packed model, its tables on the parameter servers
+    (``sparse_scale.rec.server_model``; ``server_tables`` is implied).
     """
+    if job.gba is not None and job.picasso is not None:
+        from sparse_scale.rec.server_model import server_packed_model
+
+        return server_packed_model(job, job.picasso, **tower_kwargs(job))
     if job.config.server_tables:  # the combinations allow it with a gba block only
         return _server_table_model(job)
     if job.picasso is None:
-        return DLRM(job.model_args) if job.config.model == "dlrm" else WideAndDeep(job.model_args)
+        tower = tower_kwargs(job)  # a moe_proto block: the MLP is an MoE tower (sparse_scale.rec.moe_tower)
+        return DLRM(job.model_args, **tower) if job.config.model == "dlrm" else WideAndDeep(job.model_args, **tower)
     return _packed_model(job, job.picasso)

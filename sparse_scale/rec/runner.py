@@ -18,7 +18,7 @@ import torch
 
 from picasso_ops.block import picasso_summary
 from sparse_scale.distenv import DistContext, init_distributed
-from sparse_scale.rec import checkpoint, data, engines, model
+from sparse_scale.rec import checkpoint, data, engines, model, moe_tower
 from sparse_scale.rec import evaluate as evaluation
 from sparse_scale.rec.checkpoint import Progress
 from sparse_scale.rec.combinations import check_combinations
@@ -89,7 +89,8 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
         metrics=metrics, checkpoint=last_ckpt, wandb_mode=wandb_mode, wandb_dir=wandb_dir(job.rank),
         eval_history=loop.eval_history,
         picasso=picasso_summary(engine.module) if job.picasso is not None else None,
-        gba=engine.block_summary())
+        gba=engine.block_summary(),
+        moe=moe_tower.expert_load_summary(engine, moe_tower.moe_block(job)))  # a collective over the workers
     engine.close()
     if job.rank == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ class RecSummary:
     eval_history: list[dict[str, float]]
     picasso: dict[str, Any] | None = None  # cache hit rate (training lookups), micro-batches
     gba: dict[str, Any] | None = None  # mode, switches and their cost, staleness, per-worker samples/s
+    moe: dict[str, Any] | None = None  # MoE tower: experts and each layer's load (sparse_scale.rec.moe_tower)
 
     is_server = False
 
@@ -43,6 +44,8 @@ class RecSummary:
         }
         if self.picasso is not None:
             out["picasso"] = self.picasso
+        if self.moe is not None:
+            out["moe"] = self.moe
         if self.gba is not None:
             out["gba"] = self.gba
         return out
@@ -60,6 +63,19 @@ class ServerSummary:
         return {"server": True, "gba_server": self.stats}
 
 
+def moe_rows(m: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Summary-table rows of an MoE tower: its experts, then each layer's dropped fraction and load per expert."""
+    if not m:
+        return []
+    rows = [("moe experts", f"{m['num_experts']} ({m['num_prototypes']} prototype(s) x top-{m['top_k']}), "
+                            f"{m['experts']}, ep_size {m['ep_size']}")]
+    for name, layer in m["layers"].items():
+        share = f"{layer['dropped_fraction']:.4f} / {layer['load_max']:.2f}x mean"
+        rows.append((f"  {name} dropped / max load", share))
+        rows.append((f"  {name} rows per expert", ", ".join(f"{n:,}" for n in layer["tokens_per_expert"])))
+    return rows
+
+
 def gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
     """Summary-table rows of a GBA job: mode, switches and their cost, staleness, per-worker samples/s."""
     if not g:
@@ -75,6 +91,14 @@ def gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
         rows.append(("gba updates clipped (servers)", f"{g['clipped_updates']}"))
     if g.get("lost_workers") or g.get("rejoined_workers"):
         rows.append(("gba workers lost / rejoined", f"{g.get('lost_workers', [])} / {g.get('rejoined_workers', [])}"))
+    if g.get("row_cache"):  # this worker's cache in front of the servers (gba_engine/row_cache.py)
+        c = g["row_cache"]
+        rows.append(("gba row cache hit rate / refreshes", f"{c['hit_rate']:.4f} / {c['refreshes']:,} "
+                                                          f"(max served age {c['max_served_age']})"))
+        rows.append(("gba row cache MB saved", f"{c['row_bytes_saved'] / 1e6:.2f}"))
+    if g.get("ps_bytes"):
+        rows.append(("gba MB pulled / pushed (this worker)",
+                     f"{g['ps_bytes']['pulled'] / 1e6:.2f} / {g['ps_bytes']['pushed'] / 1e6:.2f}"))
     rows.append(("samples/s per worker", ", ".join(f"{float(v):,.0f}" for v in g["samples_per_s"].values())))
     return rows
 
@@ -95,6 +119,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("log loss", f"{s['log_loss']:.4f}" + teacher))
     if "cache_hit_rate" in s.get("picasso", {}):
         rows.append(("picasso cache hit rate", f"{s['picasso']['cache_hit_rate']:.4f}"))
+    rows += moe_rows(s.get("moe"))
     rows += gba_rows(s.get("gba"))
     rows += [("checkpoint", s["checkpoint"]), ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})")]
     return rows

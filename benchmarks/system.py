@@ -1,0 +1,640 @@
+"""The whole system against what a user would pick instead, and the cache behind a slow link (issue 13 items 3, 6).
+
+Section ``rivals``: on one synthetic stream (``picasso_ops.data.synthetic``, planted teacher, one
+seed), one model shape (DLRM: bottom 13-64-16, dot interactions, top 367-128-64-1; F fields of
+``vocab`` x 16 rows, sum pooling, 1-3 ids per field) and one optimizer pair (tables: row-wise
+Adagrad at ``--table-lr``; dense layers: AdamW at ``--dense-lr``, no schedule, no clipping), 2
+ranks over gloo, 1 torch thread each:
+
+* ``torchrec <sharding>``: torchrec's ``DistributedModelParallel`` over an ``EmbeddingBagCollection``
+  (fused ``EXACT_ROWWISE_ADAGRAD`` kernel; data-parallel tables are dense parameters under AdamW:
+  torchrec has no fused kernel for them), driven by ``TrainPipelineSparseDist``, dense AdamW
+  through ``KeyedOptimizerWrapper``; one run per sharding type the planner is pinned to.
+* ``deepspeed per-field``: ``launch/train_rec.py`` without a picasso block: one ``nn.EmbeddingBag``
+  per field, every parameter (tables too: DeepSpeed has no row-wise optimizer) under DeepSpeed's AdamW.
+* ``ours packed``: ``launch/train_rec.py`` with a packing-only picasso block (fused row-wise Adagrad).
+* ``ours packed, gba <mode>``: the same with a gba block (packed tables on the parameter server,
+  2 workers + 1 server), once the rec job accepts the combination; until then the row says why not.
+
+Each runs without a straggler and with rank 1 four times slower: train_rec's ``--straggler 1:4``
+(sleeps 3 x its median forward+backward time of the first 3 steps before each backward); torchrec's
+rank 1 sleeps 3 x its median pipeline step of steps 1-3 before each later step. samples/s is the
+job's training samples over the training loop's wall time (data generation included everywhere);
+AUC is exact over the same held-out set (torchrec's model is scored on it the same way).
+
+Section ``cache``: 2 workers + 1 server, F fields, packed tables on the server (picasso + gba blocks,
+sync mode), the picasso cache (``store: "ps"``) at 10% of the rows against no cache, at one-way link latencies of 0, 0.5
+and 2 ms (train_rec's ``--ps-link-latency-ms``); samples/s, AUC and bytes moved of each.
+
+Section ``profile``: where train_rec's step goes (packing-only picasso block, 2 ranks): each rank under
+``py-spy record --idle`` (waits in collectives count), the samples inside ``train_loop`` split by
+:data:`STEP_PARTS` (data generation, the table kernels and their exchange, DeepSpeed's engine, the
+dense all-reduce, the loop itself). py-spy is not a dependency: ``pip install --target /tmp/pyspy
+py-spy`` and pass ``--py-spy /tmp/pyspy/bin/py-spy``.
+
+Run::
+
+    .venv/bin/python benchmarks/system.py                      # rivals and cache, writes RESULTS.md
+    .venv/bin/python benchmarks/system.py --sections rivals    # one section
+    .venv/bin/python benchmarks/system.py --sections profile --py-spy /tmp/pyspy/bin/py-spy
+    .venv/bin/python benchmarks/system.py --quick --sections rivals   # a minute, tiny shapes, prints only
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RIVALS_SECTION = "## One system against torchrec and plain DeepSpeed (issue 13 item 6)"
+PROFILE_SECTION = "## Where train_rec's step goes (issue 13 item 6)"
+CACHE_SECTION = "## The cache in front of the parameter servers behind a slow link (issue 13 item 3)"
+TORCHREC_SHARDINGS = ("row_wise", "table_wise", "column_wise", "data_parallel")
+SLOW_VARIANTS = ("torchrec data_parallel", "deepspeed per-field")  # dense 100k-row tables: run fewer steps
+LINK_LATENCIES_MS = (0.0, 0.5, 2.0)
+STRAGGLER_RANK, STRAGGLER_FACTOR = 1, 4.0
+RUN_TIMEOUT_S = 1800.0
+
+logger = logging.getLogger("benchmarks.system")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What every variant of a section trains: data, model shape, optimizers, steps."""
+
+    fields: int = 26
+    vocab: int = 100_000
+    dim: int = 16
+    micro_batch: int = 256  # per rank
+    steps: int = 600
+    slow_steps: int = 60  # SLOW_VARIANTS: tables as dense parameters (seconds per step)
+    eval_samples: int = 131_072  # a multiple of 2 x micro_batch: both ranks score the same number of batches
+    seed: int = 1234
+    table_lr: float = 0.05
+    dense_lr: float = 0.001
+
+
+def synthetic_config(shape: Shape) -> Any:
+    """The stream train_rec builds from ``--fields/--vocab/--seed`` (its defaults: Zipf 1.1, 1-3 ids, 13 dense)."""
+    from picasso_ops.data.synthetic import SyntheticConfig
+
+    return SyntheticConfig(num_fields=shape.fields, vocab_sizes=shape.vocab, zipf_exponent=1.1,
+                           max_ids_per_field=3, num_dense=13, seed=shape.seed)
+
+
+# --------------------------------------------------------------------------------------------- torchrec
+
+
+def _torchrec_batch(batch: Any, keys: list[str]) -> Any:
+    """A CTRBatch as torchrec's ``Batch``: lengths ``[F, B]`` are already a KJT's key-major order."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(keys=keys, values=batch.values, lengths=batch.lengths.reshape(-1).to(batch.values.dtype))
+    return Batch(dense_features=batch.dense, sparse_features=kjt, labels=batch.labels)
+
+
+def _delayed(batches: Iterator[Any], sleep_s: list[float]) -> Iterator[Any]:
+    """``batches``, sleeping ``sleep_s[0]`` before each one (the straggler's injected delay, set after calibration)."""
+    for b in batches:
+        if sleep_s[0] > 0:
+            time.sleep(sleep_s[0])
+        yield b
+
+
+def torchrec_rank(rank: int, world_size: int, shape: Shape, sharding: str, steps: int,
+                  straggler: bool) -> dict[str, Any]:
+    """Train torchrec's DLRM on this rank (``run_distributed`` started gloo); its samples/s and the scores."""
+    import itertools
+
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from picasso_ops.data.synthetic import SyntheticCTRStream
+
+    torch.manual_seed(shape.seed)
+    keys = [f"f{i}" for i in range(shape.fields)]
+    tables = [EmbeddingBagConfig(num_embeddings=shape.vocab, embedding_dim=shape.dim, name=f"t{i}",
+                                 feature_names=[k], pooling=PoolingType.SUM,
+                                 init_fn=lambda w: torch.nn.init.normal_(w, std=0.01))  # train_rec's init
+              for i, k in enumerate(keys)]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    net = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=13, dense_arch_layer_sizes=[64, shape.dim],
+                         over_arch_layer_sizes=[128, 64, 1]))
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": shape.table_lr, "eps": 1e-8}
+    sharder = _sharder(EmbeddingBagCollectionSharder, fused, sharding)
+    kernel = "dense" if sharding == "data_parallel" else "fused"
+    constraints = {t.name: ParameterConstraints(sharding_types=[sharding], compute_kernels=[kernel]) for t in tables}
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
+                                       constraints=constraints)
+    plan = planner.collective_plan(net, [sharder], torch.distributed.group.WORLD)
+    model = DistributedModelParallel(module=net, device=torch.device("cpu"), env=env, plan=plan, sharders=[sharder])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.AdamW(params, lr=shape.dense_lr, weight_decay=0.0))
+    optimizer = CombinedOptimizer([model.fused_optimizer, dense])
+    pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+
+    cfg = synthetic_config(shape)
+    train = SyntheticCTRStream(cfg, shape.micro_batch, rank=rank, world_size=world_size, split="train")
+    sleep_s = [0.0]
+    batches = _delayed((_torchrec_batch(b, keys) for b in itertools.islice(train, steps)), sleep_s)
+    step_times: list[float] = []
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        ts = time.perf_counter()
+        try:
+            pipeline.progress(batches)
+        except StopIteration:
+            break
+        step_times.append(time.perf_counter() - ts)
+        if straggler and rank == STRAGGLER_RANK and step == 3:  # calibrated on steps 1-3 (step 0 fills the pipe)
+            sleep_s[0] = (STRAGGLER_FACTOR - 1.0) * statistics.median(step_times[1:4])
+    train_s = time.perf_counter() - t0
+    scores, labels = _torchrec_scores(pipeline.detach(), cfg, shape, rank, world_size, keys)
+    return {"samples": len(step_times) * shape.micro_batch, "train_s": train_s, "scores": scores, "labels": labels,
+            "delay_s": sleep_s[0]}
+
+
+def _sharder(base: type, fused: dict[str, Any], sharding: str) -> Any:
+    """torchrec's EBC sharder; for ``row_wise`` one that also offers it on CPU (torchrec lists it for CUDA only)."""
+    if sharding != "row_wise":
+        return base(fused_params=fused)
+
+    class CPURowWiseSharder(base):  # type: ignore[misc, valid-type]
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return [*super().sharding_types(compute_device_type), "row_wise"]
+
+    return CPURowWiseSharder(fused_params=fused)
+
+
+def _torchrec_scores(model: Any, cfg: Any, shape: Shape, rank: int, world_size: int,
+                     keys: list[str]) -> tuple[Any, Any]:
+    """This rank's share of the held-out split scored by the sharded model (a collective: all ranks in step)."""
+    import math
+
+    import torch
+
+    from picasso_ops.data.synthetic import SyntheticCTRStream
+
+    held_out = SyntheticCTRStream(cfg, shape.micro_batch, rank=rank, world_size=world_size, split="eval",
+                                  num_batches=math.ceil(shape.eval_samples / shape.micro_batch))
+    model.eval()
+    scores, labels = [], []
+    with torch.no_grad():
+        for b in held_out:
+            _, (_, logits, y) = model(_torchrec_batch(b, keys))
+            scores.append(torch.sigmoid(logits).float())
+            labels.append(y.float())
+    return torch.cat(scores), torch.cat(labels)
+
+
+def run_torchrec(shape: Shape, sharding: str, steps: int, straggler: bool) -> dict[str, Any]:
+    """One torchrec run on 2 gloo ranks: samples/s (the slowest rank's loop) and AUC over the whole held-out set."""
+    import torch
+
+    from picasso_ops.data.metrics import auc
+    from sparse_scale.multiproc import run_distributed
+
+    ranks = run_distributed(torchrec_rank, 2, args=(shape, sharding, steps, straggler), timeout_s=RUN_TIMEOUT_S)
+    samples, slowest = sum(r["samples"] for r in ranks), max(r["train_s"] for r in ranks)
+    scores, labels = torch.cat([r["scores"] for r in ranks]), torch.cat([r["labels"] for r in ranks])
+    return {"samples": samples, "samples_per_s": samples / slowest, "auc": auc(scores, labels),
+            "eval_samples": int(labels.numel()), "delay_s": max(r["delay_s"] for r in ranks)}
+
+
+# --------------------------------------------------------------------------------------------- train_rec
+
+
+def ds_config(shape: Shape, picasso: bool, gba: dict[str, Any] | None = None,
+              cache_rows: int | None = None) -> dict[str, Any]:
+    """train_rec's DeepSpeed JSON for this benchmark: AdamW at ``dense_lr``, no schedule, no clipping, wandb off."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": shape.dense_lr, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, "steps_per_print": 1_000_000,
+        "wandb": {"enabled": False},
+    }
+    if picasso:
+        cfg["picasso"] = {"packing": True, "embedding_dim": shape.dim,
+                          "optimizer": {"type": "rowwise_adagrad", "lr": shape.table_lr, "lr_schedule": "constant"}}
+        if cache_rows is not None:
+            cfg["picasso"]["cache"] = {"rows": cache_rows, "policy": "lfu", "store": "ps", "prefetch": True}
+    if gba is not None:
+        cfg["gba"] = gba
+    return cfg
+
+
+def train_rec_argv(config: Path, out: Path, shape: Shape, steps: int, straggler: bool,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """train_rec's flags for one run of this benchmark."""
+    argv = ["--config", str(config), "--out", str(out), "--model", "dlrm", "--fields", str(shape.fields),
+            "--vocab", str(shape.vocab), "--embedding-dim", str(shape.dim), "--steps", str(steps),
+            "--eval-samples", str(shape.eval_samples), "--seed", str(shape.seed), "--threads", "1", *extra]
+    if straggler:
+        argv += ["--straggler", f"{STRAGGLER_RANK}:{STRAGGLER_FACTOR:g}"]
+    return argv
+
+
+def train_rec_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
+    """``train_rec.train`` on this rank (``run_distributed`` set the launcher's environment)."""
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    logging.getLogger("sparse_scale.rec.notice").setLevel(logging.WARNING)
+    from sparse_scale.rec import cli
+
+    return cli.train(cli.parse_args(argv))
+
+
+def run_train_rec(workdir: Path, name: str, cfg: dict[str, Any], shape: Shape, steps: int, straggler: bool,
+                  world_size: int = 2, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """One train_rec job on ``world_size`` processes; rank 0's summary (the job's samples/s and exact AUC)."""
+    from sparse_scale.multiproc import run_distributed
+
+    slug = name.replace(" ", "_").replace(",", "")
+    config = workdir / f"{slug}.json"
+    config.write_text(json.dumps(cfg, indent=1))
+    argv = train_rec_argv(config, workdir / slug, shape, steps, straggler, extra)
+    results = run_distributed(train_rec_rank, world_size, args=(argv,), timeout_s=RUN_TIMEOUT_S,
+                              init_process_group=False)
+    summary = results[0]
+    return {"samples": summary["samples"], "samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
+            "eval_samples": int(summary["eval_samples"]), "bayes_auc": summary.get("bayes_auc"),
+            "gba": summary.get("gba"), "picasso": summary.get("picasso"),
+            "command": "launch/train_rec.py " + " ".join(a for a in argv)}
+
+
+def gba_refusal(shape: Shape, mode: str) -> str | None:
+    """Why the rec job refuses packed tables under a gba block today (None: it accepts them)."""
+    from sparse_scale.rec.combinations import refusals
+    from sparse_scale.rec.config import RecJobConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.json"
+        path.write_text(json.dumps(ds_config(shape, True, gba_block(mode))))
+        found = refusals(RecJobConfig(config=str(path), model="dlrm", fields=shape.fields, vocab=shape.vocab))
+    return str(found[0]).replace(str(path), "CONFIG") if found else None
+
+
+def gba_block(mode: str) -> dict[str, Any]:
+    """A gba block with one parameter server (ranks: 2 workers + 1 server)."""
+    return {"mode": mode, "num_servers": 1}
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of a section's table."""
+
+    variant: str
+    straggler: bool
+    steps: int
+    result: dict[str, Any] | None = None
+    failed: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
+
+
+RENDEZVOUS_TIMEOUT = "DistStoreError: wait timeout"  # a rank that started too late on a loaded machine
+
+
+def _attempt(row: Row, fn: Any, *args: Any, **kwargs: Any) -> Row:
+    t0 = time.perf_counter()
+    for attempt in range(2):  # one retry, only when the ranks did not meet in time (load, not the variant)
+        try:
+            row.result, row.failed = fn(*args, **kwargs), None
+            break
+        except Exception as exc:  # a variant that cannot run is a row of the table, not the end of the benchmark
+            first = str(exc).strip().splitlines()
+            tail = [ln for ln in first if "Error" in ln or "error" in ln][-1:] or first[-1:]
+            row.failed = (tail[0] if tail else type(exc).__name__)[:300]
+            if RENDEZVOUS_TIMEOUT not in row.failed:
+                break
+            print(f"{row.variant}: the ranks did not meet in time ({row.failed}); trying once more", flush=True)
+    state = f"{row.result['samples_per_s']:,.0f} samples/s, AUC {row.result['auc']:.4f}" if row.ok else \
+        f"failed: {row.failed}"
+    print(f"{row.variant}{' (straggler)' if row.straggler else ''}: {state} [{time.perf_counter() - t0:.0f} s]",
+          flush=True)
+    return row
+
+
+def rivals(shape: Shape, workdir: Path, shardings: Sequence[str], with_straggler: bool,
+           only: Sequence[str] = ()) -> list[Row]:
+    """Section ``rivals``: every variant without, then (``with_straggler``) with the straggler.
+
+    ``only``: run just the variants of these names (e.g. ``["ours packed, gba sync", "ours packed, gba auto"]``).
+    """
+    plan: list[tuple[Row, Any, tuple[Any, ...], dict[str, Any]]] = []
+    for straggler in (False, True) if with_straggler else (False,):
+        for sharding in shardings:
+            name = f"torchrec {sharding}"
+            steps = shape.slow_steps if name in SLOW_VARIANTS else shape.steps
+            plan.append((Row(name, straggler, steps), run_torchrec, (shape, sharding, steps, straggler), {}))
+        plan.append((Row("deepspeed per-field", straggler, shape.slow_steps), run_train_rec,
+                     (workdir, f"deepspeed{int(straggler)}", ds_config(shape, False), shape, shape.slow_steps,
+                      straggler), {}))
+        plan.append((Row("ours packed", straggler, shape.steps), run_train_rec,
+                     (workdir, f"ours{int(straggler)}", ds_config(shape, True), shape, shape.steps, straggler), {}))
+        for mode in ("sync", "gba", "auto") if straggler else ("sync",):
+            plan.append((Row(f"ours packed, gba {mode}", straggler, shape.steps), run_train_rec,
+                         (workdir, f"gba_{mode}{int(straggler)}", ds_config(shape, True, gba_block(mode)), shape,
+                          shape.steps, straggler), {"world_size": 3}))
+    rows: list[Row] = []
+    for row, fn, args, kwargs in plan:
+        if only and row.variant not in only:
+            continue
+        mode = row.variant.rpartition("gba ")[2] if ", gba " in row.variant else None
+        refused = gba_refusal(shape, mode) if mode else None
+        if refused is not None:
+            row.failed = f"not run: the rec job refuses it ({refused})"
+            rows.append(row)
+            continue
+        rows.append(_attempt(row, fn, *args, **kwargs))
+    return rows
+
+
+def cache_flags_missing() -> list[str]:
+    """train_rec's slow-link flags this section needs that the CLI does not have (yet)."""
+    from sparse_scale.rec.cli import parse_args
+
+    known = set(vars(parse_args(["--config", "x"])))
+    return [f"--{f.replace('_', '-')}" for f in ("ps_link_latency_ms", "ps_link_mbit") if f not in known]
+
+
+def cache_section(shape: Shape, workdir: Path, latencies: Sequence[float], steps: int, mbit: float) -> list[Row]:
+    """Section ``cache``: packed tables on the server in gba mode, with and without the cache (10% of the rows).
+
+    gba mode, because there the consistency rule lets a cached row serve for up to
+    ``staleness.threshold`` versions; in sync mode every row a worker reads was updated by the
+    global batch before, so the cache can only validate (docs/gba.md). ``mbit`` > 0 also limits
+    the link's bandwidth (0: latency only).
+    """
+    missing = cache_flags_missing()
+    if missing:
+        raise SystemExit(f"benchmarks/system.py --sections cache: train_rec has no {' or '.join(missing)} flag yet "
+                         "(issue 13 item 3: the slow-link injector); run --sections rivals, or add the flags first")
+    rows: list[Row] = []
+    cache_rows = max(1, shape.vocab * shape.fields // 10)
+    for latency in latencies:
+        for cached in (False, True):
+            cfg = ds_config(shape, True, gba_block("gba"), cache_rows=cache_rows if cached else None)
+            name = f"{latency:g} ms, {'cache' if cached else 'no cache'}"
+            extra = ["--ps-link-latency-ms", f"{latency:g}", "--ps-link-mbit", f"{mbit:g}"]
+            rows.append(_attempt(Row(name, False, steps), run_train_rec, workdir, f"cache_{latency:g}_{cached}",
+                                 cfg, shape, steps, False, world_size=3, extra=extra))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- profile
+
+# (what, frame-name fragments any of which puts a sample there): first match wins, in this order
+STEP_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("data: synthetic batch generation (ids, teacher, labels)", ("SyntheticCTRGenerator.", "SyntheticCTRStream.")),
+    ("data: samples per step (RankStream.step_samples)", ("RankStream.step_samples",)),
+    ("tables: fused lookup (forward kernel)", ("_PooledLookup.forward",)),
+    ("tables: row-gradient sums (backward kernel)", ("_PooledLookup.backward",)),
+    ("tables: row exchange between ranks (all_gather)", ("all_gather",)),
+    ("tables: dedup of exchanged rows", ("coalesce_rows", "unpack_rows")),
+    ("tables: row-wise Adagrad update kernel", ("apply_rows",)),
+    ("tables: rest of the sparse step", ("sparse_step",)),
+    ("dense: DeepSpeed gradient all-reduce", ("allreduce_gradients",)),
+    ("dense: DeepSpeed AdamW step", ("Adam.step", "_single_tensor_adam")),
+    ("dense: model forward (MLPs, interactions)", ("DLRM.forward",)),
+    ("dense: autograd backward", ("Tensor.backward",)),
+    ("DeepSpeed engine wrappers (forward/backward/step bookkeeping)", ("deepspeed/",)),
+)
+LOOP_REST = "train loop itself (loss.item, timers, tqdm, fault hooks, Python)"
+
+
+def step_breakdown(raw_lines: Sequence[str]) -> dict[str, int]:
+    """py-spy ``--format raw`` stacks inside ``train_loop``, counted per :data:`STEP_PARTS` (rest: the loop)."""
+    counts = {name: 0 for name, _ in STEP_PARTS} | {LOOP_REST: 0}
+    for line in raw_lines:
+        stack, _, n = line.rstrip().rpartition(" ")
+        frames = stack.split(";")
+        inside = [i for i, f in enumerate(frames) if f.startswith("train_loop ")]
+        if not inside or not n.isdigit():
+            continue
+        below = frames[inside[0] + 1:]
+        part = next((name for name, keys in STEP_PARTS if any(k in f for f in below for k in keys)), LOOP_REST)
+        counts[part] += int(n)
+    return counts
+
+
+def profile_train_rec(shape: Shape, workdir: Path, py_spy: str, steps: int) -> dict[str, Any]:
+    """train_rec (packing-only picasso block, 2 ranks) with each rank under ``py-spy record --idle``: the breakdown."""
+    import subprocess
+
+    from sparse_scale.multiproc import free_port
+
+    config = workdir / "profile.json"
+    config.write_text(json.dumps(ds_config(shape, True)))
+    argv = train_rec_argv(config, workdir / "profile", shape, steps, straggler=False)
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
+               "WANDB_MODE": "disabled"}
+        cmd = [py_spy, "record", "--idle", "-r", "100", "-f", "raw", "-o", str(workdir / f"rank{rank}.txt"), "--",
+               sys.executable, str(ROOT / "launch" / "train_rec.py"), *argv]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    errors = [p.communicate(timeout=RUN_TIMEOUT_S)[1] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"profiled train_rec failed: {errors[0][-2000:]}")
+    summary = json.loads((workdir / "profile" / "summary.json").read_text())
+    per_rank = [step_breakdown((workdir / f"rank{r}.txt").read_text().splitlines()) for r in range(2)]
+    return {"samples_per_s": summary["samples_per_s"], "steps": steps, "ranks": per_rank,
+            "command": "launch/train_rec.py " + " ".join(argv)}
+
+
+def profile_table(prof: dict[str, Any]) -> str:
+    """Markdown: the share of each part of the training loop's samples, per rank."""
+    totals = [max(1, sum(r.values())) for r in prof["ranks"]]
+    lines = ["| part of the step | rank 0 | rank 1 |", "|---|---|---|"]
+    for name in prof["ranks"][0]:
+        lines.append(f"| {name} | " + " | ".join(f"{100 * r[name] / t:.1f}%" for r, t in zip(prof["ranks"], totals))
+                     + " |")
+    lines.append(f"| (py-spy samples in the loop, 100/s) | {totals[0]:,} | {totals[1]:,} |")
+    lines += ["", f"samples/s of the profiled run: {prof['samples_per_s']:,.0f} (py-spy slows it a little); "
+              f"`{prof['command']}`."]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def rivals_table(rows: list[Row]) -> str:
+    """Markdown: one line per run, then the targets against what was measured."""
+    head = ["variant", "straggler", "steps", "samples/s", "AUC", "held-out samples", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        note = r.failed or ""
+        if r.ok and r.variant in SLOW_VARIANTS:
+            note = f"AUC after {r.steps} steps only: not comparable"
+        if r.ok and r.result.get("delay_s"):
+            note = (note + "; " if note else "") + f"rank 1 sleeps {r.result['delay_s'] * 1e3:.1f} ms/step"
+        cells = [r.variant, f"rank {STRAGGLER_RANK} x{STRAGGLER_FACTOR:g}" if r.straggler else "-", str(r.steps),
+                 f"{r.result['samples_per_s']:,.0f}" if r.ok else "-", f"{r.result['auc']:.4f}" if r.ok else "-",
+                 f"{r.result['eval_samples']:,}" if r.ok else "-", note]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *verdicts(rows)]
+    return "\n".join(lines)
+
+
+def _find(rows: list[Row], variant: str, straggler: bool) -> Row | None:
+    got = [r for r in rows if r.variant == variant and r.straggler == straggler and r.ok]
+    return got[0] if got else None
+
+
+def verdicts(rows: list[Row]) -> list[str]:
+    """The issue's targets, each as measured: hit, miss, or not measured."""
+    out = []
+    anchors = [r for r in rows if r.variant.startswith("torchrec") and not r.straggler and r.ok
+               and r.variant not in SLOW_VARIANTS]
+    ours = _find(rows, "ours packed", False)
+    if anchors and ours:
+        best = max(anchors, key=lambda r: r.result["samples_per_s"])
+        speed = ours.result["samples_per_s"] / best.result["samples_per_s"]
+        dauc = ours.result["auc"] - best.result["auc"]
+        hit = speed >= 2.0 and abs(dauc) <= 0.001
+        out.append(f"- ours packed vs the best torchrec ({best.variant}): **{speed:.2f}x** samples/s, AUC "
+                   f"{dauc:+.4f} (target >= 2x at |dAUC| <= 0.001): **{'hit' if hit else 'miss'}**.")
+    sync = _find(rows, "ours packed, gba sync", True)
+    for mode in ("gba", "auto"):
+        r = _find(rows, f"ours packed, gba {mode}", True)
+        if r and sync:
+            speed = r.result["samples_per_s"] / sync.result["samples_per_s"]
+            dauc = r.result["auc"] - sync.result["auc"]
+            hit = speed >= 2.4 and abs(dauc) <= 0.001
+            out.append(f"- straggler, gba {mode} vs our sync: **{speed:.2f}x** samples/s, AUC {dauc:+.4f} "
+                       f"(target >= 2.4x at |dAUC| <= 0.001): **{'hit' if hit else 'miss'}**.")
+        else:
+            out.append(f"- straggler, gba {mode} vs our sync (target >= 2.4x): not measured (the rows above say why).")
+    return out
+
+
+def cache_table(rows: list[Row]) -> str:
+    """Markdown: one line per (latency, cache), then cache / no cache per latency."""
+    head = ["link (one-way)", "cache", "samples/s", "AUC", "hit rate", "MB pulled (worker 0)", "MB pushed (worker 0)",
+            "row MB saved (worker 0)", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lat, cached = r.variant.split(", ")
+        stats = (r.result or {}).get("gba") or {}
+        cache, moved = stats.get("row_cache") or {}, stats.get("ps_bytes") or {}
+        mb = (lambda d, k: f"{d[k] / 1e6:,.1f}" if k in d else "-")
+        lines.append("| " + " | ".join([
+            lat, cached, f"{r.result['samples_per_s']:,.0f}" if r.ok else "-", f"{r.result['auc']:.4f}" if r.ok else "-",
+            f"{cache['hit_rate']:.3f}" if "hit_rate" in cache else "-", mb(moved, "pulled"), mb(moved, "pushed"),
+            mb(cache, "row_bytes_saved"), r.failed or ""]) + " |")
+    lines.append("")
+    for lat in dict.fromkeys(r.variant.split(", ")[0] for r in rows):
+        off, on = _find(rows, f"{lat}, no cache", False), _find(rows, f"{lat}, cache", False)
+        if off and on:
+            speed = on.result["samples_per_s"] / off.result["samples_per_s"]
+            dauc = on.result["auc"] - off.result["auc"]
+            target = "" if lat.startswith("0 ") else \
+                f" (target >= 2x at |dAUC| <= 0.001: **{'hit' if speed >= 2 and abs(dauc) <= 0.001 else 'miss'}**)"
+            lines.append(f"- {lat}: cache / no cache **{speed:.2f}x** samples/s, AUC {dauc:+.4f}{target}.")
+    return "\n".join(lines)
+
+
+def header(command: str, shape: Shape, started: str, load_before: tuple[float, ...],
+           load_after: tuple[float, ...], minutes: float) -> str:
+    import torch
+
+    return (f"Command: `{command}` ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+            f"{started}, {minutes:.1f} min; load average (1/5/15 min) before "
+            f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}; other "
+            f"jobs shared the machine).\n\nShape: DLRM, {shape.fields} fields x {shape.vocab:,} rows x {shape.dim}, "
+            f"micro-batch {shape.micro_batch} per rank, 2 ranks (gba: 2 workers + 1 server) over gloo, 1 torch "
+            f"thread each, seed {shape.seed}; tables row-wise Adagrad lr {shape.table_lr:g} (eps 1e-8), dense "
+            f"AdamW lr {shape.dense_lr:g} (no schedule, no clipping, DeepSpeed ZeRO 0).")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--sections", nargs="+", choices=["rivals", "cache", "profile"],
+                   default=["rivals", "cache"])
+    p.add_argument("--steps", type=int, default=Shape.steps)
+    p.add_argument("--slow-steps", type=int, default=Shape.slow_steps,
+                   help=f"steps of {', '.join(SLOW_VARIANTS)} (dense tables: slow)")
+    p.add_argument("--shardings", nargs="+", choices=TORCHREC_SHARDINGS, default=list(TORCHREC_SHARDINGS))
+    p.add_argument("--only", nargs="+", default=[], metavar="VARIANT",
+                   help='rivals: only these variants (e.g. "torchrec table_wise" "ours packed")')
+    p.add_argument("--no-straggler", action="store_true", help="skip the straggler runs")
+    p.add_argument("--cache-fields", type=int, default=200, help="fields of the cache section")
+    p.add_argument("--cache-vocab", type=int, default=10_000, help="rows per field of the cache section")
+    p.add_argument("--cache-steps", type=int, default=200, help="steps of each cache-section run")
+    p.add_argument("--cache-mbit", type=float, default=1000.0,
+                   help="bandwidth of the modelled link in the cache section, Mbit/s (0: latency only)")
+    p.add_argument("--py-spy", default="py-spy", help="py-spy executable (--sections profile)")
+    p.add_argument("--profile-steps", type=int, default=400)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, a few steps, prints only (smoke test)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.quick:
+        shape = Shape(vocab=100, steps=30, slow_steps=30, eval_samples=4096)
+        cache_shape = dataclasses.replace(shape, fields=26)
+    else:
+        shape = Shape(steps=args.steps, slow_steps=args.slow_steps)
+        cache_shape = dataclasses.replace(shape, fields=args.cache_fields, vocab=args.cache_vocab)
+    command = shlex.join([".venv/bin/python", "benchmarks/system.py", *(sys.argv[1:] if argv is None else argv)])
+    out: dict[str, Any] = {}
+    sections = [("rivals", RIVALS_SECTION, shape, rivals_table), ("cache", CACHE_SECTION, cache_shape, cache_table),
+                ("profile", PROFILE_SECTION, shape, profile_table)]
+    with tempfile.TemporaryDirectory(prefix="system_bench_") as tmp:
+        for name, heading, sec_shape, table in sections:
+            if name not in args.sections:
+                continue
+            started, load0, t0 = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg(), time.perf_counter()
+            if name == "rivals":
+                out[name] = rivals(sec_shape, Path(tmp), args.shardings, not args.no_straggler, args.only)
+            elif name == "profile":
+                out[name] = profile_train_rec(sec_shape, Path(tmp), args.py_spy, args.profile_steps)
+            else:
+                out[name] = cache_section(sec_shape, Path(tmp), LINK_LATENCIES_MS, args.cache_steps if not args.quick
+                                          else sec_shape.steps, args.cache_mbit)
+            print(table(out[name]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({k: v if isinstance(v, dict) else [dataclasses.asdict(r) for r in v]
+                                                       for k, v in out.items()},
+                                                      indent=1, default=str))
+            if args.quick:
+                continue
+            from embedding import write_section  # benchmarks/embedding.py
+
+            head = header(command, sec_shape, started, load0, os.getloadavg(), (time.perf_counter() - t0) / 60)
+            write_section(RESULTS, heading, f"{head}\n\n{table(out[name])}", title=f"{started}, benchmarks/system.py")
+            print(f"wrote {RESULTS} ({heading})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

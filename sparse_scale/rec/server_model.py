@@ -1,0 +1,69 @@
+"""The rec model of a job with both a ``gba`` and a ``picasso`` block: packed tables on the parameter servers.
+
+The picasso block gives the layout and the tables' optimizer (packing, embedding_dim, the
+sparse optimizer with its lr and lr schedule); the gba block puts the rows and their
+optimizer state on the parameter servers. Wide-and-deep gets two collections (the deep
+embeddings and the wide per-id weights, as picasso's packed model has), DLRM one; each is a
+``gba_engine.packed_tables.ServerPackedFieldEmbeddings``, so the lookups stay fused on the
+workers while the servers aggregate the rows' gradients per id over the global batch and
+run the block's optimizer on them, in sync, gba and auto modes alike.
+
+Example::
+
+    model = server_packed_model(job, job.picasso)     # job.gba and job.picasso both set
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+
+from gba_engine.packed_tables import ServerPackedFieldEmbeddings
+from gba_engine.ps.optim import TableOptimizerSpec
+from picasso_ops.embedding.sparse_optim import OPTIMIZERS
+from picasso_ops.models import DLRM, WideAndDeep
+from sparse_scale.rec.job import RecJob
+
+logger = logging.getLogger(__name__)
+
+
+def table_optimizer(block: Any) -> TableOptimizerSpec:
+    """The servers' optimizer for the packed tables, from a validated ``picasso`` block.
+
+    Only the hyperparameters the chosen optimizer takes are passed (``eps`` means nothing to sgd).
+
+    Example::
+
+        >>> from picasso_ops.config import PicassoConfig
+        >>> table_optimizer(PicassoConfig.model_validate({"optimizer": {"type": "sgd", "lr": 0.1}})).params
+        (('lr', 0.1),)
+    """
+    opt = block.optimizer
+    params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
+    return TableOptimizerSpec.of(opt.type, lr_schedule=opt.lr_schedule, **params)
+
+
+def server_packed_model(job: RecJob, block: Any, **tower: Any) -> nn.Module:
+    """Wide-and-deep (or DLRM with ``--model dlrm``) over packed tables whose rows live on the parameter servers.
+
+    Deep tables start N(0, 0.01) and wide ones at zero, like the per-field server tables.
+    ``tower``: the model constructor's MLP argument (``deep_tower=`` / ``top_mlp=``: a moe_proto tower).
+    """
+    args = dataclasses.replace(job.model_args, embedding_dim=block.embedding_dim)
+    opt, seed = table_optimizer(block), job.config.seed
+    deep = ServerPackedFieldEmbeddings(args.vocab_sizes, args.embedding_dim, args.pooling, 0.01, opt,
+                                       packing=block.packing, prefix="deep", seed=seed)
+    if job.config.model == "dlrm":
+        model: nn.Module = DLRM(args, embeddings=deep, **tower)
+    else:
+        wide = ServerPackedFieldEmbeddings(args.vocab_sizes, 1, args.pooling, 0.0, opt, packing=block.packing,
+                                           prefix="wide", seed=seed)
+        model = WideAndDeep(args, embeddings=deep, wide=wide, **tower)
+    if job.rank == 0:
+        logger.info("gba + picasso model (%s): %d fields packed into %d server tables per collection (packing=%s), "
+                    "dim %d, the servers run sparse optimizer %s %s (lr schedule: %s)", job.config.model,
+                    len(args.vocab_sizes), len(deep.names), block.packing, block.embedding_dim, opt.type,
+                    dict(opt.params), opt.lr_schedule)
+    return model
