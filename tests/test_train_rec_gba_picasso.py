@@ -95,3 +95,42 @@ def test_what_packed_server_tables_do_not_support_is_refused_with_its_reason(tmp
     found = refusals(RecJobConfig(config=str(path)))
     assert [e.rule for e in found] == [rule] and reason in str(found[0])
     assert refusals(RecJobConfig(config=_picasso_config(tmp_path / "ok", "gba"))) == []
+
+
+def _system_run(rank: int, world_size: int, argv: list) -> dict:
+    import os
+
+    from tests.test_train_rec import _train_rec
+
+    os.environ["WANDB_MODE"] = "offline"
+    train_rec = _train_rec()
+    summary = train_rec.train(train_rec.parse_args(argv))
+    return {"server": True} if summary.get("server") else {k: summary[k] for k in ("auc", "steps", "gba", "moe")}
+
+
+@pytest.mark.slow
+def test_the_system_config_runs_all_three_blocks_in_one_job(tmp_path):
+    """ds_configs/rec_system_cpu.json small (make demo-system's job): packed server tables behind the worker
+    cache, gba auto with a straggler window, an MoE tower with replicated experts, on 2 workers + 1 server."""
+    from tests.test_train_rec_gba import ROOT
+
+    cfg = json.loads((ROOT / "ds_configs" / "rec_system_cpu.json").read_text())
+    assert {"picasso", "gba", "moe_proto"} <= set(cfg)
+    cfg["train_micro_batch_size_per_gpu"] = 32
+    cfg["wandb"] = {"enabled": False}
+    cfg["picasso"]["cache"]["rows"] = 500  # of 26 x 200 rows per table
+    cfg["gba"].update(timeout_s=20, heartbeat_s=0.5, max_lead=0,
+                      switch={"slow_ratio": 1.5, "recover_ratio": 1.2, "window": 2, "min_dwell_steps": 2})
+    path = tmp_path / "system.json"
+    path.write_text(json.dumps(cfg))
+    argv = [*SMALL, "--steps", "20", "--config", str(path), "--out", str(tmp_path / "run"), "--straggler", "1:8:3-9"]
+    w0, w1, server = run_distributed(_system_run, 3, args=(argv,), timeout_s=110, init_process_group=False)
+    assert server == {"server": True} and w0["steps"] + w1["steps"] == 40
+    assert 0.5 < w0["auc"] < 1.0 and w0["auc"] == w1["auc"]
+    assert [(e["src"], e["dst"]) for e in w0["gba"]["switches"]][:1] == [("sync", "gba")]
+    cache = w0["gba"]["row_cache"]
+    assert cache["lookups"] > 0 and cache["hits"] > 0 and cache["max_served_age"] <= cfg["gba"]["staleness"]["threshold"]
+    moe = w0["moe"]
+    assert moe["num_experts"] == 4 and moe["experts"] == "replicated"
+    (layer,) = moe["layers"].values()
+    assert len(layer["tokens_per_expert"]) == 4 and sum(layer["tokens_per_expert"]) > 0
