@@ -146,6 +146,7 @@ class ClaimedBatches:
         self.engine, self.micro_batch, self.gas, self.total, self.start = engine, micro_batch, gas, total, start
         self.source, self.workers = source, workers
         self.index = -1
+        self._saved_period: int | None = None  # gba: the last --save-every period this worker saved (or started in)
 
     def _micro(self, j: int) -> CTRBatch:
         if isinstance(self.source, RowRangeReader):
@@ -181,7 +182,17 @@ class ClaimedBatches:
         if mode_before == "gba" and self.engine.mode == "sync":
             return False  # just back from gba: the workers' counts before this step differ, the next period will save
         period = every * self.workers
-        return self.state()["batches_taken"] // period > taken_before // period
+        now = self.state()["batches_taken"] // period
+        if self.engine.mode != "gba":  # sync: lockstep, every worker sees the same crossing in the same step
+            return now > taken_before // period
+        # gba: the job's count may cross a period during another worker's step, and only the first worker's
+        # save writes (the others' return at once), so a period is due until this worker has saved it
+        if self._saved_period is None:
+            self._saved_period = taken_before // period
+        due = now > self._saved_period
+        if due:
+            self._saved_period = now
+        return due
 
     def resume_states(self, group: Any) -> list[dict[str, int]]:
         return [self.state()]  # one job-wide resume point; no collective (gba-mode saves are the first worker's)
