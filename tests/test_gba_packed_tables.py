@@ -291,21 +291,6 @@ def test_server_row_optimizer_and_lookup_equal_picasso_packed_tables(optimizer, 
                                    rtol=0, atol=1e-6)
 
 
-def test_sparse_row_optimizer_state_round_trips():
-    from gba_engine.ps.optim import TableOptimizerSpec
-
-    spec = TableOptimizerSpec.of("adam", lr=0.1)
-    a = spec.build_rows(torch.randn(6, 3))
-    a.step(torch.tensor([1, 4]), torch.randn(2, 3))
-    b = spec.build_rows(torch.zeros(6, 3))
-    b.load_state_dict(a.state_dict())
-    grad = torch.randn(2, 3)
-    a.step(torch.tensor([1, 2]), grad)
-    b.step(torch.tensor([1, 2]), grad)
-    assert sorted(a.state_dict()) == ["momentum1", "momentum2", "steps", "weight"] and b.steps == 2
-    assert torch.equal(a.weight, b.weight) and torch.equal(a.state["momentum2"], b.state["momentum2"])
-
-
 def test_table_optimizer_spec_refuses_bad_settings_by_name():
     from gba_engine.ps.optim import TableOptimizerSpec
 
