@@ -1,4 +1,4 @@
-# make demo | make test | make bench | make gpu-check — each sets up .venv first (once; a stamp skips it after).
+# make demo | make test | make soak | make bench | make gpu-check — each sets up .venv first (once; a stamp skips it after).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,12 +9,12 @@ export MASTER_ADDR ?= 127.0.0.1
 export GLOO_SOCKET_IFNAME ?= lo
 export WANDB_MODE ?= offline
 
-.PHONY: demo demo-system test test-fast bench gpu-check gpu-wheels venv sysdeps clean
+.PHONY: demo demo-system test soak test-fast bench gpu-check gpu-wheels venv sysdeps clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,mpi]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,mpi,hf]"
 	$(PY) -m sparse_scale.prebuild
 	$(PY) -m picasso_ops.ops.builder --prebuild
 	touch $@
@@ -28,19 +28,23 @@ $(SYS_STAMP): tests/infra/install_sysdeps.sh | $(STAMP)
 
 sysdeps: $(SYS_STAMP)
 
-DEMO_ARGS ?= --steps 2500 --vocab 50 --out runs/demo
+DEMO_ARGS ?= --steps 2500 --vocab 50 --out runs/demo --overwrite
 
 demo: $(STAMP)
 	bash launch/run_deepspeed.sh ds_configs/demo_cpu.json $(DEMO_ARGS)
 
 # All three blocks in one job: 2 workers + 1 parameter server, worker 1 slowed 4x for steps 300-700.
-SYSTEM_ARGS ?= --steps 1200 --vocab 200 --straggler 1:4:300-700 --out runs/demo-system
+SYSTEM_ARGS ?= --steps 1200 --vocab 200 --straggler 1:4:300-700 --out runs/demo-system --overwrite
 demo-system: $(STAMP)
 	NPROC=3 bash launch/run_deepspeed.sh ds_configs/rec_system_cpu.json $(SYSTEM_ARGS)
 
 # torchrec/FBGEMM are installed for tests too: the KJT conversion and TBE comparison tests use them.
 test: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q --durations=20 -m "not gpu and not soak" tests
+
+# Long fault and multi-node runs (chaos, two nodes): CI runs them after `make test`.
+soak: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)
+	$(PY) -m pytest -q --durations=10 -m soak tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

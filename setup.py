@@ -27,6 +27,8 @@ setup(
     },
     extras_require={
         "mpi": ["mpi4py", "mpich"],
+        # moe_proto.hf: Mixtral-style transformers models on moe_proto.MoE; Trainer + DeepSpeed needs accelerate.
+        "hf": ["transformers>=5.0,<6", "accelerate>=1.0"],
         # NVIDIA apex is built from source (see README); PyPI's "apex" is an unrelated package.
         "gpu": ["triton"],
         # triton runs the GPU kernels' correctness tests on CPU (TRITON_INTERPRET=1); ninja builds the C++ ops.

@@ -10,6 +10,11 @@ one MoE layer over S tokens, in every routing mode:
   same module every expert is copied from) as one dense chain over S x K rows, K the
   routes per token - what a perfect MoE layer with no routing, no dispatch and no
   load imbalance would cost.
+* "experts only" (a diagnostic, not an anchor): our layer's expert stage alone
+  (``GroupedExperts``) over S x K rows split evenly over the E experts - no routing,
+  dispatch or combine. Its gap to the ideal is the cost of E separate weight sets
+  (E small GEMMs per projection, E times the weights read and their gradients written);
+  the gap between it and "ours" is what routing, dispatch and combine cost.
 
 Timing: all variants of all modes run round-robin inside every repetition (so load
 from other processes on this shared machine hits all of them alike) and the median
@@ -132,6 +137,7 @@ class Row:
     ds_peak: Optional[int]
     ideal_peak: int
     ours_drop_rate: float
+    experts_only_s: Optional[float] = None  # single-process runs only
 
 
 Step = Callable[[], None]
@@ -184,6 +190,22 @@ def _ideal_step(mlp: nn.Module, rows: Tensor, grad: Tensor) -> Step:
     return step
 
 
+def _experts_only_step(layer: MoE, rows: int, cfg: BenchConfig, gen: torch.Generator) -> Step:
+    """Our expert stage alone over ``rows`` rows split evenly over the layer's experts (no routing)."""
+    experts = layer.experts
+    counts = torch.full((experts.num_experts,), rows // experts.num_experts, dtype=torch.long)
+    counts[: rows % experts.num_experts] += 1
+    buffer = torch.randn(rows, cfg.hidden, generator=gen)
+    grad = torch.randn(rows, cfg.hidden, generator=gen)
+
+    def step() -> None:
+        for p in experts.parameters():
+            p.grad = None
+        experts(buffer.detach().requires_grad_(), counts).backward(grad)
+
+    return step
+
+
 def build_variants(cfg: BenchConfig, mode: Mode, with_deepspeed: bool = True, ep_size: int = 1,
                    rank: int = 0) -> Tuple[Dict[str, Step], float]:
     """The steps to time for one mode: ``ours``, ``ideal`` and (when supported) ``deepspeed``.
@@ -219,6 +241,8 @@ def build_variants(cfg: BenchConfig, mode: Mode, with_deepspeed: bool = True, ep
     rows = mode.routes_per_token * cfg.tokens
     steps["ideal"] = _ideal_step(mlp, torch.randn(rows, cfg.hidden, generator=gen),
                                  torch.randn(rows, cfg.hidden, generator=gen))
+    if ep_size == 1:
+        steps["experts only"] = _experts_only_step(ours, rows, cfg, gen)
     with torch.no_grad():
         ours(x)
     drop_rate = float(ours.last_stats.drop_rate)
@@ -303,7 +327,8 @@ def run(cfg: BenchConfig, modes: Sequence[Mode] = MODES, with_deepspeed: bool = 
             ideal_s=ideal.thread_median, ours_wall_s=ours.wall_median,
             ds_wall_s=timings[ds_key].wall_median if has_ds else None, ideal_wall_s=ideal.wall_median,
             ours_peak=peaks[f"{mode.name}|ours"], ds_peak=peaks.get(ds_key),
-            ideal_peak=peaks[f"{mode.name}|ideal"], ours_drop_rate=drop_rates[mode.name]))
+            ideal_peak=peaks[f"{mode.name}|ideal"], ours_drop_rate=drop_rates[mode.name],
+            experts_only_s=timings[f"{mode.name}|experts only"].thread_median))
     return rows
 
 
@@ -326,14 +351,16 @@ def format_table(rows: Sequence[Row]) -> str:
     """Markdown table: speeds from thread CPU time medians; the wall-time ratio alongside."""
     lines = [
         "| mode | ours tok/s | DeepSpeed tok/s | ideal tok/s | ours/ideal | DS/ideal | ours/DS "
-        "| ours/ideal (wall) | DS/ideal (wall) | peak MB ours / DS / ideal | ours drop rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ours/ideal (wall) | DS/ideal (wall) | experts only/ideal | ours/experts only "
+        "| peak MB ours / DS / ideal | ours drop rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.mode} | {tps(r.ours_s, r.tokens)} | {tps(r.ds_s, r.tokens)} | {tps(r.ideal_s, r.tokens)} "
             f"| {ratio(r.ideal_s, r.ours_s)} | {ratio(r.ideal_s, r.ds_s)} | {ratio(r.ds_s, r.ours_s)} "
             f"| {ratio(r.ideal_wall_s, r.ours_wall_s)} | {ratio(r.ideal_wall_s, r.ds_wall_s)} "
+            f"| {ratio(r.ideal_s, r.experts_only_s)} | {ratio(r.experts_only_s, r.ours_s)} "
             f"| {mb(r.ours_peak)} / {mb(r.ds_peak)} / {mb(r.ideal_peak)} | {r.ours_drop_rate:.1%} |")
     return "\n".join(lines)
 

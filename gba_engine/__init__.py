@@ -36,6 +36,7 @@ _EXPORTS = {
     "PSConnectionError": "ps",
     "PSRuntime": "ps",
     "PSStalledError": "ps",
+    "ServerLostError": "ps",
     "ParameterServer": "ps",
     "Pulled": "ps",
     "ServeStats": "ps",

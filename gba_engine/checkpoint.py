@@ -11,6 +11,10 @@ Layout inside a checkpoint folder ``DIR/TAG``::
     gba_meta.json                                   (mode, where the truth lives, version, tables)
     client_state.pt                                 (the caller's client_state)
 
+Every file is written to a temporary name, fsynced and renamed, and a file that cannot be read
+is an error naming it. (The job layer stages whole folders and adds a manifest on top:
+``sparse_scale.base.atomic_checkpoint``.)
+
 Example::
 
     save_shard(state, "ckpt/step100", server=0, num_servers=1)
@@ -32,6 +36,26 @@ from .switch import TrainState
 logger = logging.getLogger(__name__)
 
 
+def _save_synced(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary name, fsync, rename: a crash never leaves half a file under ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load(path: Path, weights_only: bool = True) -> Any:
+    """``torch.load`` whose errors name the file (a truncated file otherwise says only "PytorchStreamReader failed")."""
+    if not path.is_file():
+        raise FileNotFoundError(f"GBA checkpoint file {path} is missing")
+    try:
+        return torch.load(path, weights_only=weights_only)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ValueError(f"GBA checkpoint file {path} is unreadable (truncated or corrupt?): {exc}") from exc
+
+
 def shard_path(folder: str | os.PathLike, server: int, num_servers: int) -> Path:
     """Where server ``server`` of ``num_servers`` keeps its shard in ``folder``."""
     return Path(folder) / f"gba_server_{server}_of_{num_servers}.pt"
@@ -46,10 +70,8 @@ def save_shard(state: TrainState, folder: str | os.PathLike, server: int, num_se
     """
     path = shard_path(folder, server, num_servers)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"params": state.params, "moments": state.moments, "step": state.step, "version": state.version,
-                "server": server, "num_servers": num_servers, "tables": dict(tables or {})}, tmp)
-    os.replace(tmp, path)
+    _save_synced({"params": state.params, "moments": state.moments, "step": state.step, "version": state.version,
+                  "server": server, "num_servers": num_servers, "tables": dict(tables or {})}, path)
     logger.info("server %d saved version %d to %s", server, state.version, path)
     return path
 
@@ -70,7 +92,7 @@ def _read(folder: str | os.PathLike, server: int, num_servers: int) -> tuple:
         found = sorted(p.name for p in Path(folder).glob("gba_server_*.pt")) if Path(folder).is_dir() else []
         raise FileNotFoundError(f"no parameter-server shard {path.name} in {folder} (found {found}); "
                                 f"a checkpoint restores with the num_servers it was written with")
-    raw = torch.load(path, weights_only=True)
+    raw = _load(path)
     return raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]), dict(raw.get("tables", {}))
 
 
@@ -82,13 +104,13 @@ def save_worker_state(state: TrainState, folder: str | os.PathLike) -> None:
         save_worker_state(state_from_deepspeed(ds_engine, spec, version), "ckpt/global_step10")
     """
     Path(folder).mkdir(parents=True, exist_ok=True)
-    torch.save({"params": state.params, "moments": state.moments, "step": state.step, "version": state.version},
-               Path(folder) / "gba_worker_state.pt")
+    _save_synced({"params": state.params, "moments": state.moments, "step": state.step, "version": state.version},
+                 Path(folder) / "gba_worker_state.pt")
 
 
 def load_worker_state(folder: str | os.PathLike) -> TrainState:
     """Read :func:`save_worker_state`'s file."""
-    raw = torch.load(Path(folder) / "gba_worker_state.pt", weights_only=True)
+    raw = _load(Path(folder) / "gba_worker_state.pt")
     return TrainState(raw["params"], dict(raw["moments"]), int(raw["step"]), int(raw["version"]))
 
 
@@ -105,8 +127,8 @@ def save_meta(save_dir: str | os.PathLike, tag: str, *, truth: str, mode: str, v
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "gba_meta.json").write_text(json.dumps({"truth": truth, "mode": mode, "version": version,
                                                       "num_servers": num_servers, "tables": list(tables)}))
-    torch.save(client_state or {}, folder / "client_state.pt")
-    (Path(save_dir) / "latest").write_text(tag)
+    _save_synced(client_state or {}, folder / "client_state.pt")
+    (Path(save_dir) / "latest").write_text(tag)  # the job layer commits the folder and moves its own latest
 
 
 def find_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> tuple[Path | None, dict]:
@@ -122,9 +144,16 @@ def find_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> tuple[Path 
             return None, {}
         tag = latest.read_text().strip()
     folder = Path(load_dir) / tag
-    return folder, json.loads((folder / "gba_meta.json").read_text())
+    meta = folder / "gba_meta.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"GBA checkpoint {folder}: {meta.name} is missing ('latest' names {tag!r}; "
+                                f"a save that never finished, or a folder removed)")
+    try:
+        return folder, json.loads(meta.read_text())
+    except ValueError as exc:
+        raise ValueError(f"GBA checkpoint file {meta} is unreadable: {exc}") from exc
 
 
 def load_client_state(folder: str | os.PathLike) -> dict:
     """The ``client_state`` saved with the checkpoint."""
-    return torch.load(Path(folder) / "client_state.pt", weights_only=False)
+    return _load(Path(folder) / "client_state.pt", weights_only=False)

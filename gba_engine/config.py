@@ -10,6 +10,8 @@ from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_va
 
 from sparse_scale.base.blocks import StrictBlock
 
+HEARTBEAT_LEASE = 5  # a rank whose heartbeat did not move for this many periods (the lease) is presumed lost
+
 
 class StalenessConfig(StrictBlock):
     """How gradients computed on an old model version are weighed."""
@@ -38,8 +40,10 @@ class SwitchConfig(StrictBlock):
 
     slow_ratio: float = Field(
         1.5, gt=1.0, description="A worker turns slow when the median of its last window step times exceeds "
-                                 "slow_ratio x the reference (the lower median of the workers' medians) by more "
-                                 "than 3 scaled MADs of its own jitter.")
+                                 "slow_ratio x the reference (the lower median of the workers' medians) and the "
+                                 "gap is significant: below 64 workers more than 3 scaled MADs of its own jitter, "
+                                 "from 64 workers on more than a bar over the spread of all workers' log-medians "
+                                 "that grows with N (5.5 sigmas at 64, 6.0 at 1,024).")
     recover_ratio: float = Field(
         1.2, gt=1.0, description="A slow worker recovers when its median step time falls below recover_ratio x the "
                                  "reference (hysteresis); auto goes back to sync when no worker is slow.")
@@ -73,11 +77,13 @@ class GBAConfig(StrictBlock):
         StalenessConfig(), description="How gradients computed on an old model version are weighed.")
     switch: SwitchConfig = Field(SwitchConfig(), description="The straggler detector that drives ``mode: auto``.")
     timeout_s: PositiveFloat = Field(
-        60.0, description="Deadline in seconds of every wait on the control plane and on a server reply; a peer that "
-                          "dies or stops answering raises PSConnectionError naming the ranks.")
+        60.0, description="Deadline in seconds of every wait on the control plane and on a server reply; a server "
+                          "that dies, freezes or stops answering stops the job within it (ServerLostError naming "
+                          "the server). Must exceed the lease (5 x heartbeat_s) and stay below the launcher's and "
+                          "DeepSpeed's own timeouts.")
     heartbeat_s: PositiveFloat = Field(
         2.0, description="Period in seconds of each rank's heartbeat; a rank whose heartbeat did not move for 5 "
-                         "periods (the lease) is presumed lost.")
+                         "periods (the lease) is presumed lost. 5 x heartbeat_s must be below timeout_s.")
     max_lead: NonNegativeInt | None = Field(
         None, description="None: fully asynchronous GBA; k: a worker's n-th pull of a phase waits for version >= "
                           "start + n - k (bounded staleness, SSP-style); 0 is lockstep, where a gba step equals a "
@@ -89,3 +95,16 @@ class GBAConfig(StrictBlock):
         None, description="Where the first server writes HOST:PORT of the control plane, for a restarted worker to "
                           "rejoin (gba_engine.rejoin); None: not written (the address is still logged by the first "
                           "server).")
+
+    @model_validator(mode="after")
+    def _timeout_hierarchy(self) -> "GBAConfig":
+        """heartbeat_s < lease (5 x heartbeat_s) < timeout_s: a lost peer must be found before any wait gives up."""
+        lease = HEARTBEAT_LEASE * self.heartbeat_s
+        if lease >= self.timeout_s:
+            raise ValueError(
+                f"heartbeat_s={self.heartbeat_s:g} gives a lease of {HEARTBEAT_LEASE} x {self.heartbeat_s:g} = "
+                f"{lease:g}s (a rank silent that long is presumed lost), which must be below timeout_s="
+                f"{self.timeout_s:g}: a frozen server would otherwise not be told from a slow one before the "
+                f"deadline; lower heartbeat_s below {self.timeout_s / HEARTBEAT_LEASE:g} or raise timeout_s above "
+                f"{lease:g} (docs/gba.md, 'Timeouts and lost servers')")
+        return self

@@ -8,7 +8,10 @@ step times per step and says which mode ``auto`` should be in.
   The reference is the lower median of the workers' medians, so with two workers one
   slow worker cannot drag the reference up to itself.
 * A worker becomes slow when its median exceeds ``slow_ratio x reference`` *and* the gap
-  is larger than 3 scaled MADs of its own jitter; it recovers only below
+  is significant: below 64 workers larger than 3 scaled MADs of its own jitter; from 64 workers
+  on, its log-median stands out from the spread of all workers' log-medians by more than
+  :func:`peer_sigmas` (N) robust sigmas, a bar that grows with N so that a straggler-free job of
+  1,024 workers is not flagged by chance. It recovers only below
   ``recover_ratio x reference`` (hysteresis: ``recover_ratio < slow_ratio``).
 * The suggested mode is ``gba`` while any worker is slow, else ``sync``; a change is
   released only ``min_dwell_steps`` after the previous one (and after the first window
@@ -30,10 +33,28 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 from typing import Iterable, Sequence
 
 _MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
 _MAD_SIGMAS = 3.0  # a gap smaller than 3 sigmas of the worker's own jitter is noise
+# From this many workers on, a worker is compared with the spread of all workers' medians. Below, that
+# spread (a MAD of N medians) is too noisy: at jitter sigma 0.38 (benchmarks/gba_sim.py and 12 seeded
+# runs of 150 steps) the peer test flagged straggler-free workers as often as the own-jitter test at
+# 16-32 workers and for a few steps in 2 of 24 runs at 48-64; from 128 workers on, in none.
+_PEER_TEST_WORKERS = 64
+_FAMILY_FALSE_FLAG = 1e-6  # chance per step that some worker of a straggler-free job passes the peer test
+
+
+def peer_sigmas(num_workers: int) -> float:
+    """How many robust sigmas of the workers' log-medians a worker must stand out by (Bonferroni over N).
+
+    Among 1,024 jittery workers some pass any fixed bar by chance every few steps (benchmarks/gba_sim.py
+    showed auto mode switching to gba with no straggler at 256 and 1,024 workers), so the bar rises with N::
+
+        peer_sigmas(64), peer_sigmas(1024)    # (5.53..., 6.00...)
+    """
+    return statistics.NormalDist().inv_cdf(1.0 - _FAMILY_FALSE_FLAG / num_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +104,7 @@ class StragglerDetector:
         if any(not 0 <= w < num_workers for w in self.slow):
             raise ValueError(f"slow workers {sorted(self.slow)} are not in [0, {num_workers})")
         self._times = [collections.deque(maxlen=window) for _ in range(num_workers)]
+        self._peer_sigmas = peer_sigmas(num_workers)
 
     @classmethod
     def from_config(cls, switch, num_workers: int, mode: str = "sync", slow: Iterable[int] = ()) -> "StragglerDetector":
@@ -107,10 +129,14 @@ class StragglerDetector:
             medians = {w: _median(self._times[w]) for w in full}
             ordered = sorted(medians.values())
             reference = max(ordered[(len(ordered) - 1) // 2], 1e-9)  # lower median: robust to one slow worker of two
+            peer_bar = self._peer_bar(medians)
             for w, m in medians.items():
                 ratios[w] = m / reference
-                mad = _median([abs(t - m) for t in self._times[w]])
-                significant = m - reference > _MAD_SIGMAS * _MAD_TO_SIGMA * mad
+                if peer_bar is None:
+                    mad = _median([abs(t - m) for t in self._times[w]])
+                    significant = m - reference > _MAD_SIGMAS * _MAD_TO_SIGMA * mad
+                else:
+                    significant = math.log(max(m, 1e-12) / reference) > peer_bar
                 if w not in self.slow and ratios[w] > self.slow_ratio and significant:
                     self.slow.add(w)
                 elif w in self.slow and ratios[w] < self.recover_ratio:
@@ -122,6 +148,19 @@ class StragglerDetector:
             self.mode, self.last_switch_step, switched = wanted, self.step, True
         return Decision(step=self.step, mode=self.mode, switched=switched, slow=frozenset(self.slow),
                         ratios=tuple(ratios), reference_s=reference)
+
+    def _peer_bar(self, medians: dict) -> float | None:
+        """Log-ratio a worker's median must exceed, from the spread of all medians; None below 64 workers.
+
+        The spread is the scaled MAD of the log-medians (robust while fewer than half the workers
+        straggle); it is the null spread of a windowed median, whatever the jitter and window.
+        """
+        if len(medians) < _PEER_TEST_WORKERS:
+            return None
+        logs = [math.log(max(m, 1e-12)) for m in medians.values()]
+        center = _median(logs)
+        spread = _MAD_TO_SIGMA * _median([abs(v - center) for v in logs])
+        return self._peer_sigmas * spread
 
     def force(self, mode: str) -> None:
         """Record a mode change made for another reason (e.g. a lost worker pins gba); restarts the dwell."""

@@ -42,7 +42,9 @@ source "$REPO/launch/local_env.sh"
 # so after a crash the survivors end on gloo's "Connection closed by peer" instead.
 # Hydra (MPICH, Intel MPI) forwards the whole environment (-genvall is its default); -genv makes the
 # rendezvous explicit in the printed command. "-launcher fork": all ranks local, no ssh.
-if ! "$MPIRUN" --version 2>/dev/null | grep -qE "HYDRA|Intel\(R\) MPI"; then
+# Captured first: under pipefail, `mpirun --version | grep -q` fails when grep exits early and mpirun gets SIGPIPE.
+MPI_VERSION="$("$MPIRUN" --version 2>/dev/null || true)"
+if ! grep -qE "HYDRA|Intel\(R\) MPI" <<< "$MPI_VERSION"; then
     echo "$0: $MPIRUN is not MPICH/Intel MPI (Hydra); with Open MPI run it yourself, e.g." >&2
     echo "    mpirun -n $NPROC -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$MASTER_PORT -x GLOO_SOCKET_IFNAME=lo $PYTHON $TRAIN_SCRIPT --config $CONFIG" >&2
     exit 2

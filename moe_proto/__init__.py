@@ -8,18 +8,22 @@ Example::
 
 The submodules' public API is re-exported here: expert parallelism (``parallel``),
 expert-aware gradient clipping (``clipping``), topology-free checkpoints (``checkpoint``),
-routing statistics (``stats``) and the reference LM (``models``). They are imported eagerly:
-``layer`` already needs torch and DeepSpeed, and the five add about 20 ms to ``import moe_proto`` (``python -X importtime``).
+the ZeRO stage 3 layer class (``zero3``), routing statistics (``stats``) and the reference LM
+(``models``). They are imported eagerly: ``layer`` already needs torch and DeepSpeed, and the
+others add about 20 ms to ``import moe_proto`` (``python -X importtime``).
 """
 from .args import MoEArgs
 from .dispatch import DispatchPlan, permute, plan_dispatch, unpermute
 from .experts import GroupedExperts, grouped_matmul, grouped_mm_supported
 from .layer import MoE
+from .zero3 import ZeRO3MoE
+from .balance import ExpertBalance, reset_expert_loads, update_expert_biases
 from .routing import (RoutingRecord, RoutingStats, expert_capacity, multiplicative_jitter, route,
                       route_deepspeed_top1, route_deepspeed_top2, router_z_loss)
 from .checkpoint import (expert_params, full_state_dict, iter_expert_files, load_checkpoint, load_full_state_dict,
                          relink_zero_optimizer_states, save_checkpoint)
 from .models import LMOutput, MoEModelConfig, MoETransformerArgs, MoETransformerLM
+from .upcycle import upcycle_dense_ffn, upcycle_experts, upcycle_lm, zero_router_gate_sum
 from .clipping import bind_expert_aware_clipping, clip_grad_norm_, global_grad_norm
 from .parallel import (ExchangePlan, ExpertParallelMismatch, check_group_agreement, combine_from_experts,
                        dispatch_to_experts, plan_exchange)
@@ -27,7 +31,12 @@ from .stats import LayerStats, MoEStatsLogger, collect_moe_stats, stats_events
 
 __all__ = [
     "MoE",
+    "ZeRO3MoE",  # MoE(..., zero_stage=3): the class DeepSpeed accepts under ZeRO stage 3
     "MoEArgs",
+    # balance
+    "ExpertBalance",
+    "update_expert_biases",
+    "reset_expert_loads",
     "RoutingRecord",
     "RoutingStats",
     "route",
@@ -72,4 +81,9 @@ __all__ = [
     "MoETransformerArgs",
     "MoETransformerLM",
     "LMOutput",
+    # upcycling (the Hugging Face bridge, moe_proto.hf, needs the optional extra and is imported on its own)
+    "upcycle_lm",
+    "upcycle_dense_ffn",
+    "upcycle_experts",
+    "zero_router_gate_sum",
 ]

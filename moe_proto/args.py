@@ -11,17 +11,47 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional
 
 from .experts import ACTIVATION_NAMES
-from .routing import DROP_POLICIES
+from .routing import AUX_LOSS_SCOPES, DROP_POLICIES, SCORE_FUNCTIONS
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
 
+@dataclass(frozen=True, kw_only=True)
+class RoutingOptions:
+    """The routing options (docs/moe.md, "Routing options"), shared by the layer's and the LM's arguments.
+
+    Example::
+
+        routing_options_of(block)   # {"expert_bias_update_rate": 0.0, "score_function": "softmax", ...}
+    """
+
+    expert_bias_update_rate: float = 0.0
+    score_function: str = "softmax"
+    normalize_routes: Optional[bool] = None
+    aux_loss_scope: str = "micro_batch"
+    num_shared_experts: int = 0
+    shared_expert_ffn_hidden_size: Optional[int] = None
+
+
+ROUTING_OPTION_NAMES = tuple(f.name for f in fields(RoutingOptions))
+
+
+def routing_options_of(source: Any) -> Dict[str, Any]:
+    """The routing options read from anything that has them as attributes (a config block, an args record).
+
+    Example::
+
+        MoE(64, None, num_experts=8, ffn_hidden_size=128, **routing_options_of(block))
+    """
+    return {name: getattr(source, name) for name in ROUTING_OPTION_NAMES}
+
+
 @dataclass(frozen=True)
-class MoEArgs:
+class MoEArgs(RoutingOptions):
     """Arguments of one MoE layer.
 
     Attributes (DeepSpeed's):
@@ -43,6 +73,12 @@ class MoEArgs:
         activation: expert activation when the layer builds its own experts (default ``"gelu"``).
         ffn_hidden_size: expert hidden size when the layer builds its own experts.
         deepspeed_compat: reproduce DeepSpeed 0.19.8 ``top1gating``/``top2gating`` routing.
+        expert_bias_update_rate: aux-loss-free balancing step (0: off); see :mod:`moe_proto.balance`.
+        score_function: ``"softmax"`` or ``"sigmoid"`` router scores.
+        normalize_routes: divide a prototype's selected gates by their sum (None: when k > 1).
+        aux_loss_scope: ``"micro_batch"``, ``"sequence"`` or ``"global_batch"`` load-balancing loss.
+        num_shared_experts: dense experts every token goes through, added to the routed output.
+        shared_expert_ffn_hidden_size: hidden width of each shared expert (None: the routed experts').
     """
 
     hidden_size: int
@@ -71,6 +107,7 @@ class MoEArgs:
         self._check_sizes()
         self._check_capacity()
         self._check_unsupported()
+        self._check_routing_options()
         if self.deepspeed_compat:
             self._check_compat()
 
@@ -142,6 +179,47 @@ class MoEArgs:
         if self.enable_expert_tensor_parallelism:
             raise ValueError("enable_expert_tensor_parallelism=True is not supported by moe_proto.MoE; "
                              "set it to False")
+
+    @property
+    def uses_expert_bias(self) -> bool:
+        return self.expert_bias_update_rate > 0
+
+    @property
+    def default_routing(self) -> bool:
+        """True when none of the routing options is on (the layer then does exactly what it did before)."""
+        return (not self.uses_expert_bias and self.score_function == "softmax" and self.normalize_routes is None
+                and self.aux_loss_scope == "micro_batch")
+
+    def _check_routing_options(self) -> None:
+        rate = self.expert_bias_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+            raise ValueError(f"expert_bias_update_rate must be a number >= 0, got {rate!r}")
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"aux_loss_scope={self.aux_loss_scope!r} is not one of {AUX_LOSS_SCOPES}")
+        if self.normalize_routes not in (None, True, False):
+            raise ValueError(f"normalize_routes must be None, True or False, got {self.normalize_routes!r}")
+        if isinstance(self.num_shared_experts, bool) or not isinstance(self.num_shared_experts, int) \
+                or self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}")
+        width = self.shared_expert_ffn_hidden_size
+        if width is not None and (not isinstance(width, int) or width < 1):
+            raise ValueError(f"shared_expert_ffn_hidden_size must be an integer >= 1, got {width!r}")
+        if width is not None and self.num_shared_experts == 0:
+            raise ValueError("shared_expert_ffn_hidden_size is set but num_shared_experts=0: set num_shared_experts")
+        if self.num_shared_experts and self.use_residual:
+            raise ValueError("use_residual=True (PR-MoE's mixed dense MLP) and num_shared_experts > 0 both add a "
+                             "dense FFN: use one of them")
+        if self.deepspeed_compat and not self.default_routing:
+            raise ValueError("deepspeed_compat=True reproduces DeepSpeed's softmax top1/top2 gating: leave "
+                             "expert_bias_update_rate 0, score_function 'softmax', normalize_routes None and "
+                             "aux_loss_scope 'micro_batch'")
+        if self.uses_expert_bias and (self.noise_policy == "RSample" or (self.k >= 2 and
+                                                                         self.top2_2nd_expert_sampling)):
+            raise ValueError("expert_bias_update_rate > 0 biases the expert choice; noisy choice "
+                             "(noisy_gate_policy='RSample' or top2_2nd_expert_sampling with k >= 2) cannot be "
+                             "combined with it: turn the noise off")
 
     def _check_compat(self) -> None:
         if self.k not in (1, 2):

@@ -15,9 +15,12 @@ This module writes its own topology-free checkpoint instead, one directory per t
 Every tensor is the full fp32 value (under ZeRO 1/2 assembled from each rank's flat
 partition through the parameter's ``_hp_mapping`` addresses by
 :mod:`sparse_scale.base.zero_state`, like DeepSpeed's ``safe_get_full_*`` API but reading
-the optimizer state directly; without ZeRO from the optimizer), so loading at another
-``ep_size`` (or ZeRO stage, or world size) just slices the rows of the experts a rank
-holds. Supported optimizers: Adam/AdamW (``exp_avg``, ``exp_avg_sq``, ``step`` per param group).
+the optimizer state directly; under ZeRO 3 gathered over the parameter's partition group
+(the expert-data-parallel group for experts) with ``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` and written back per partition; without ZeRO from the
+optimizer), so loading at another ``ep_size`` (or ZeRO stage 0-3, or world size) just
+slices the rows of the experts a rank holds. Supported optimizers: Adam/AdamW (``exp_avg``,
+``exp_avg_sq``, ``step`` per param group).
 The param groups' scheduled hyperparameters (``lr``, ``betas``, ``momentum``) are saved too:
 DeepSpeed's schedulers (e.g. ``WarmupLR``) restore only their iteration counter and would
 leave the first resumed step at the initial lr.
@@ -25,7 +28,7 @@ leave the first resumed step at the initial lr.
 Example::
 
     save_checkpoint(engine, "ckpt", tag="step100")        # on every rank (collective)
-    # ... later, any ep_size / ZeRO stage 0-2:
+    # ... later, any ep_size / ZeRO stage 0-3:
     load_checkpoint(engine, "ckpt", tag="step100")        # on every rank
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ from sparse_scale.base.zero_state import (base_optimizer, is_partitioned, read_f
                                          relink_zero_optimizer_states, write_param_fragment, zero_stage)
 
 from .layer import MoE
+from .zero3 import flat_groups, gathered_value, is_zero3_param, read_full_state, write_full_state
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,9 @@ def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Non
     owners = expert_params(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if is_zero3_param(param):
+                raise ValueError(f"load_full_state_dict: {name} is already partitioned by ZeRO-3; call it before "
+                                 "deepspeed.initialize, or use load_checkpoint on the engine")
             if name not in full_state:
                 raise KeyError(f"parameter {name} is missing from the full state dict")
             param.copy_(_local_rows(full_state[name], owners.get(name)))
@@ -93,7 +100,8 @@ def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Non
 def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     """All parameters with expert stacks gathered over each layer's expert-parallel group.
 
-    Collective over the EP groups (every rank must call it). Example::
+    Collective over the EP groups (and under ZeRO-3 over each parameter's partition group:
+    every rank must call it). Example::
 
         state = full_state_dict(engine.module)     # state["moe.experts.w1"].shape[0] == num_experts
     """
@@ -101,12 +109,12 @@ def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     out: Dict[str, Tensor] = {}
     for name, param in model.named_parameters():
         layer = owners.get(name)
-        value = param.detach()
+        value = gathered_value(param)  # a copy
         if layer is not None and layer.ep_size > 1:
             parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
             dist.all_gather(parts, value.contiguous(), group=layer.ep_group)
             value = torch.cat(parts)
-        out[name] = value.clone()
+        out[name] = value
     return out
 
 
@@ -146,7 +154,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
                 "param_groups": groups,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
                 "experts": {n: {"num_experts": l.num_experts, "ep_size": l.ep_size} for n, l in owners.items()}}
-        torch.save({"params": dense, "meta": meta}, os.path.join(path, "dense.pt"))
+        torch.save({"params": dense, "buffers": _persistent_buffers(model), "meta": meta},
+                   os.path.join(path, "dense.pt"))
         with open(os.path.join(path, "meta.json"), "w") as f:
             # default=float: a tensor-valued lr stays readable.
             json.dump({k: v for k, v in meta.items() if k != "lr_scheduler"}, f, indent=1, default=float)
@@ -196,6 +205,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
                 raise KeyError(f"parameter {name} is missing from the checkpoint at {path}")
             entry = saved["params"][name]
         _write_param_state(engine, param, entry)
+    _load_buffers(model, saved.get("buffers", {}), path)
     engine.global_steps = meta["global_steps"]
     engine.global_samples = meta["global_samples"]
     if meta.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
@@ -207,6 +217,32 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     logger.info("loaded moe_proto checkpoint %s (saved at ep sizes %s)", path,
                 sorted({v["ep_size"] for v in meta["experts"].values()}))
     return meta
+
+
+def _persistent_buffers(model: nn.Module) -> Dict[str, Tensor]:
+    """The MoE layers' persistent buffers (the expert biases: full [E], the same on every rank; rank 0's saved)."""
+    out: Dict[str, Tensor] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoE):
+            params = {name for name, _ in module.named_parameters()}
+            for name, value in module.state_dict().items():
+                if name not in params:
+                    out[f"{prefix}.{name}" if prefix else name] = value.detach().cpu().clone()
+    return out
+
+
+def _load_buffers(model: nn.Module, saved: Dict[str, Tensor], path: str) -> None:
+    wanted = _persistent_buffers(model)
+    missing = sorted(set(wanted) - set(saved))
+    if missing:
+        raise KeyError(f"buffers {missing} are missing from the checkpoint at {path}")
+    state = dict(model.named_buffers())
+    with torch.no_grad():
+        for name in wanted:
+            if tuple(saved[name].shape) != tuple(state[name].shape):
+                raise ValueError(f"{name}: checkpoint buffer has shape {tuple(saved[name].shape)}, the model's "
+                                 f"{tuple(state[name].shape)} ({path})")
+            state[name].copy_(saved[name])
 
 
 def _local_rows(value: Tensor, layer: Optional[MoE]) -> Tensor:
@@ -225,12 +261,27 @@ def _is_expert_writer(owners: Dict[str, MoE]) -> bool:
     return groups._get_expert_data_parallel_rank(group_name) == 0
 
 
+def _inner_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer holding the param groups and state (inside ZeRO 1/2/3's wrapper)."""
+    return engine.optimizer.optimizer if zero_stage(engine) == 3 else base_optimizer(engine)
+
+
+def _state_keys(engine: Any) -> List[List[Tensor]]:
+    """Per param group of the inner optimizer, the tensors its state is keyed by.
+
+    ZeRO-3 empties the groups' ``params`` between steps; its flat partitions are the keys.
+    """
+    if zero_stage(engine) == 3:
+        return flat_groups(engine)
+    return [list(group["params"]) for group in base_optimizer(engine).param_groups]
+
+
 def _param_group_states(engine: Any) -> List[Dict[str, Any]]:
     """Per param group of the (inner) optimizer: its Adam ``step`` and the :data:`SCHEDULED_KEYS` it has."""
-    base = base_optimizer(engine)
+    base = _inner_optimizer(engine)
     out: List[Dict[str, Any]] = []
-    for group in base.param_groups:
-        steps = [base.state[p]["step"] for p in group["params"] if "step" in base.state.get(p, {})]
+    for group, keys in zip(base.param_groups, _state_keys(engine)):
+        steps = [base.state[p]["step"] for p in keys if "step" in base.state.get(p, {})]
         entry: Dict[str, Any] = {"step": float(steps[0]) if steps else 0.0}
         entry.update({k: group[k] for k in SCHEDULED_KEYS if k in group})
         out.append(entry)
@@ -239,7 +290,7 @@ def _param_group_states(engine: Any) -> List[Dict[str, Any]]:
 
 def _saved_group_steps(engine: Any, meta: Dict[str, Any]) -> List[float]:
     """The Adam step for each of ``engine``'s param groups (one shared step if the group count changed)."""
-    count = len(base_optimizer(engine).param_groups)
+    count = len(_inner_optimizer(engine).param_groups)
     saved = meta.get("param_groups")
     if saved is not None and len(saved) == count:
         return [float(g["step"]) for g in saved]
@@ -248,7 +299,7 @@ def _saved_group_steps(engine: Any, meta: Dict[str, Any]) -> List[float]:
 
 def _restore_group_hyperparameters(engine: Any, meta: Dict[str, Any], path: str) -> None:
     """Set the param groups' :data:`SCHEDULED_KEYS` to the saved values (by group index)."""
-    groups = base_optimizer(engine).param_groups
+    groups = _inner_optimizer(engine).param_groups
     saved = meta.get("param_groups")
     if saved is None:
         logger.warning("%s predates saved param-group hyperparameters: the lr stays at its initial value "
@@ -267,8 +318,8 @@ def _restore_group_hyperparameters(engine: Any, meta: Dict[str, Any], path: str)
 
 
 def _read_param_state(engine: Any, param: nn.Parameter) -> Dict[str, Tensor]:
-    if zero_stage(engine) > 2:
-        raise NotImplementedError("moe_proto checkpoints support ZeRO stages 0-2 (MoE is refused under stage 3)")
+    if zero_stage(engine) == 3:
+        return {"param": read_full_state(engine, param), **{k: read_full_state(engine, param, k) for k in OPTIM_KEYS}}
     if is_partitioned(engine):
         entry = {"param": read_full_param(engine, param)}
         for key in OPTIM_KEYS:
@@ -284,13 +335,14 @@ def _read_param_state(engine: Any, param: nn.Parameter) -> Dict[str, Tensor]:
 def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
     """Create Adam state (zeros) where the optimizer has none yet and set each group's saved step.
 
-    Under ZeRO 1/2 the inner optimizer's group ``i`` holds exactly the flat fp32 partition ``i``.
+    Under ZeRO 1/2 the inner optimizer's group ``i`` holds exactly the flat fp32 partition ``i``;
+    under ZeRO 3 its flat partitions are listed by :func:`moe_proto.zero3.flat_groups`.
     """
-    base = base_optimizer(engine)
-    for group, step in zip(base.param_groups, group_steps):
+    base = _inner_optimizer(engine)
+    for group, keys, step in zip(base.param_groups, _state_keys(engine), group_steps):
         # torch's Adam keeps ``step`` on the CPU unless capturable/fused.
         on_param = bool(group.get("capturable") or group.get("fused"))
-        for p in group["params"]:
+        for p in keys:
             state = base.state[p]
             for key in OPTIM_KEYS:
                 if key not in state:
@@ -299,6 +351,11 @@ def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
 
 
 def _write_param_state(engine: Any, param: nn.Parameter, entry: Dict[str, Tensor]) -> None:
+    if zero_stage(engine) == 3:
+        write_full_state(engine, param, entry["param"].float())
+        for key in OPTIM_KEYS:
+            write_full_state(engine, param, entry[key].float(), key)
+        return
     value = entry["param"].to(param.device)
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} for a parameter of shape "

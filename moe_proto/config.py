@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -48,6 +48,36 @@ class MoEProtoConfig(StrictBlock):
     moe_every: PositiveInt = Field(
         2, description="An MoE FFN every n transformer layers: layer i (0-based) has one when (i + 1) % moe_every "
                        "== 0, the others a dense FFN (rec job: the MoE tower's hidden layers, docs/rec_job.md).")
+
+    expert_bias_update_rate: float = Field(
+        0.0, ge=0.0, description="Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the router "
+                                 "scores for choosing experts only (gates use the unbiased scores), moved after every "
+                                 "optimizer step by rate x sign(mean load - expert load), loads summed over the "
+                                 "step's micro-batches and all ranks, the mean within each prototype (0: off).")
+    score_function: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description='Router scores: "softmax" over the experts of each prototype, or "sigmoid" of each '
+                               'logit (DeepSeek-V3, usually with normalize_routes and expert_bias_update_rate).')
+    normalize_routes: Optional[bool] = Field(
+        None, description="Divide a token's selected gate weights by their sum within each prototype: true always "
+                          "(with top_k 1 and softmax every weight becomes 1), false never, null when top_k > 1.")
+    aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = Field(
+        "micro_batch", description='What the load-balancing loss balances: "micro_batch" the routes of each '
+                                   'forward, "sequence" each sequence apart, averaged (DeepSeek-V3; LM only), '
+                                   '"global_batch" expert loads over the micro-batches of the step and all ranks '
+                                   'times the mean router probabilities of this forward (Megatron global aux loss).')
+    num_shared_experts: int = Field(
+        0, ge=0, description="Shared experts: a dense FFN of num_shared_experts x shared_expert_ffn_hidden_size "
+                             "that every token goes through, added to the routed output (replicated on every rank; "
+                             "0: none).")
+    shared_expert_ffn_hidden_size: Optional[PositiveInt] = Field(
+        None, description="Hidden width of each shared expert; null: the routed experts' width.")
+
+    @model_validator(mode="after")
+    def _routing_options(self) -> "MoEProtoConfig":
+        """shared_expert_ffn_hidden_size needs num_shared_experts > 0."""
+        if self.shared_expert_ffn_hidden_size is not None and self.num_shared_experts == 0:
+            raise ValueError("shared_expert_ffn_hidden_size is set but num_shared_experts is 0")
+        return self
 
     @model_validator(mode="after")
     def _divisible(self) -> "MoEProtoConfig":

@@ -37,6 +37,7 @@ from . import dispatch as dispatch_ops
 from . import parallel
 from . import routing
 from .args import MoEArgs
+from .balance import ExpertBalance
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
 from .routing import RoutingRecord, RoutingStats
@@ -49,9 +50,35 @@ except ImportError:  # pragma: no cover - DeepSpeed is a dependency; keep the la
 logger = logging.getLogger(__name__)
 
 JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter default
+ZERO_STAGES = (None, 0, 1, 2, 3)
 
 
-class MoE(_DeepSpeedMoE):
+def _check_zero_stage(zero_stage: Optional[int], cls: type) -> None:
+    """``zero_stage`` of the layer: None/0-2 build :class:`MoE`, 3 a ``ZeRO3MoE`` (see ``MoE.__new__``)."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r}: expected None, 0, 1, 2 or 3 (the DeepSpeed config's "
+                         "zero_optimization.stage)")
+    if zero_stage == 3:  # reached only by subclasses of MoE: they derive DeepSpeed's MoE, which ZeRO-3 refuses
+        raise ValueError(f"zero_stage=3 with {cls.__name__}, a subclass of moe_proto.MoE: DeepSpeed refuses "
+                         "deepspeed.moe.layer.MoE under ZeRO stage 3; subclass moe_proto.zero3.ZeRO3MoE instead")
+
+
+class _MoEFamily(type):
+    """Metaclass of :class:`MoE`: ``isinstance(x, MoE)`` also holds for :class:`moe_proto.zero3.ZeRO3MoE`.
+
+    That class runs the same stages but cannot derive ``MoE`` (DeepSpeed refuses
+    ``deepspeed.moe.layer.MoE`` instances under ZeRO-3), so this keeps stats, checkpoints and
+    the planner working for both. Example: ``isinstance(MoE(8, None, 2, ffn_hidden_size=8, zero_stage=3), MoE)``.
+    """
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return type.__instancecheck__(cls, obj) or (cls is MoE and getattr(type(obj), "_moe_proto_layer", False))
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return type.__subclasscheck__(cls, sub) or (cls is MoE and getattr(sub, "_moe_proto_layer", False))
+
+
+class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
     """Mixture-of-Experts FFN layer with top-k routing, expert prototyping and capacity.
 
     The positional arguments and defaults are those of ``deepspeed.moe.layer.MoE``; the
@@ -73,12 +100,30 @@ class MoE(_DeepSpeedMoE):
     place, and the default drop order (``drop_policy="probs"``) keeps the highest-gate
     tokens. ``deepspeed_compat=True`` reproduces DeepSpeed's top-1/top-2 decisions.
 
+    Routing options (off by default; docs/moe.md "Routing options"): ``expert_bias_update_rate``
+    (aux-loss-free balancing: ``self.balance`` holds the bias; call
+    :func:`moe_proto.update_expert_biases` after each optimizer step), ``score_function``,
+    ``normalize_routes``, ``aux_loss_scope`` and ``num_shared_experts`` /
+    ``shared_expert_ffn_hidden_size`` (``self.shared_experts``, a replicated dense FFN).
+
+    ``zero_stage``: the DeepSpeed config's ``zero_optimization.stage``. ``3`` returns a
+    :class:`moe_proto.zero3.ZeRO3MoE` (same layer, in the class DeepSpeed accepts under
+    ZeRO-3; docs/moe.md "ZeRO-3"); None or 0-2 build this class, which DeepSpeed refuses under stage 3.
+
     Example::
 
         mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
         moe = MoE(64, mlp, num_experts=8, k=2, use_rts=False, top2_2nd_expert_sampling=False)
         out, l_aux, exp_counts = moe(torch.randn(4, 32, 64))
     """
+
+    def __new__(cls, *args: object, zero_stage: Optional[int] = None, **kwargs: object) -> "MoE":
+        # The selection hook: zero_stage=3 builds the layer class ZeRO-3 accepts (moe_proto/zero3.py).
+        if zero_stage == 3 and cls is MoE:
+            from .zero3 import ZeRO3MoE
+
+            return ZeRO3MoE(*args, **kwargs)  # not an instance of cls: Python skips MoE.__init__
+        return super().__new__(cls)
 
     def __init__(self,
                  hidden_size: int,
@@ -104,7 +149,15 @@ class MoE(_DeepSpeedMoE):
                  activation: Optional[str] = None,
                  ffn_hidden_size: Optional[int] = None,
                  deepspeed_compat: bool = False,
-                 ep_fixed_splits: bool = False) -> None:
+                 ep_fixed_splits: bool = False,
+                 expert_bias_update_rate: float = 0.0,
+                 score_function: str = "softmax",
+                 normalize_routes: Optional[bool] = None,
+                 aux_loss_scope: str = "micro_batch",
+                 num_shared_experts: int = 0,
+                 shared_expert_ffn_hidden_size: Optional[int] = None,
+                 zero_stage: Optional[int] = None) -> None:
+        _check_zero_stage(zero_stage, type(self))
         nn.Module.__init__(self)  # DeepSpeed's MoE.__init__ would build its own gate and experts
         self.args = MoEArgs(hidden_size=hidden_size, num_experts=num_experts, ep_size=ep_size, k=k,
                             capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
@@ -114,7 +167,10 @@ class MoE(_DeepSpeedMoE):
                             top2_2nd_expert_sampling=top2_2nd_expert_sampling, num_prototypes=num_prototypes,
                             dropless=dropless, drop_policy=drop_policy, z_loss_coef=z_loss_coef,
                             activation=activation, ffn_hidden_size=ffn_hidden_size,
-                            deepspeed_compat=deepspeed_compat)
+                            deepspeed_compat=deepspeed_compat, expert_bias_update_rate=expert_bias_update_rate,
+                            score_function=score_function, normalize_routes=normalize_routes,
+                            aux_loss_scope=aux_loss_scope, num_shared_experts=num_shared_experts,
+                            shared_expert_ffn_hidden_size=shared_expert_ffn_hidden_size)
         args = self.args
         if ep_fixed_splits and args.is_dropless:
             raise ValueError("ep_fixed_splits=True pads every expert to its capacity; dropless routing has no "
@@ -149,6 +205,16 @@ class MoE(_DeepSpeedMoE):
             self.mlp = expert if expert is not None else GroupedExperts(
                 1, hidden_size, ffn_hidden_size, activation=activation or "gelu")
             self.coefficient = nn.Linear(hidden_size, 2)
+        if num_shared_experts:
+            # n shared experts of width w are one dense FFN of width n*w (their sum); replicated, reduced over DP.
+            width = shared_expert_ffn_hidden_size or self.experts.ffn_hidden_size
+            self.shared_experts = GroupedExperts(1, hidden_size, num_shared_experts * width,
+                                                 activation=self.experts.activation)
+        if args.uses_expert_bias or aux_loss_scope == "global_batch":
+            self.balance = ExpertBalance(num_experts, num_prototypes, expert_bias_update_rate,
+                                         global_batch=aux_loss_scope == "global_batch")
+        else:
+            self.balance = None
         self.last_stats: Optional[RoutingStats] = None
         logger.info("MoE layer: %d experts (%d local), %d prototype(s), top-%d per prototype, %s", num_experts,
                     args.num_local_experts, num_prototypes, k,
@@ -164,25 +230,42 @@ class MoE(_DeepSpeedMoE):
             raise ValueError(f"hidden_states last dim {hidden_states.shape[-1]} != hidden_size "
                              f"{self.args.hidden_size}")
         x = hidden_states.reshape(-1, self.args.hidden_size)
-        record = self.route(x, used_token)
+        sequence_length = None
+        if self.args.aux_loss_scope == "sequence":
+            if hidden_states.dim() != 3:
+                raise ValueError(f"aux_loss_scope='sequence' needs [batch, seq, hidden] inputs to find the "
+                                 f"sequences, got shape {tuple(hidden_states.shape)}")
+            sequence_length = hidden_states.shape[1]
+        record = self.route(x, used_token, sequence_length)
         buffer, plan = self.dispatch(x, record)
         expert_output = self.compute(buffer, plan)
         output = self.combine(expert_output, plan, x.shape[0]).view_as(hidden_states)
         if self.args.use_residual:
             output = self._mix_residual(hidden_states, output)
+        if self.args.num_shared_experts:
+            output = output + self._shared_output(x).view_as(hidden_states)
+        if self.training and self.args.uses_expert_bias:
+            self.balance.add_step_load(record.routed_per_expert)
         self.last_stats = record.stats()
         l_aux = record.aux_loss
         if self.args.z_loss_coef:
             l_aux = l_aux + self.args.z_loss_coef * record.z_loss
         return output, l_aux, record.routed_per_expert
 
-    def route(self, x: Tensor, used_token: Optional[Tensor] = None) -> RoutingRecord:
-        """Stage 1: fp32 router logits (input jitter in training) -> routing record."""
+    def route(self, x: Tensor, used_token: Optional[Tensor] = None,
+              sequence_length: Optional[int] = None) -> RoutingRecord:
+        """Stage 1: fp32 router logits (input jitter in training) -> routing record.
+
+        Non-finite logits (a NaN/inf input or router weight) raise ``FloatingPointError``.
+
+        ``sequence_length``: tokens per sequence of ``x`` (``aux_loss_scope="sequence"`` only).
+        """
         args = self.args
         gate_input = x.float()
         if self.training and args.noise_policy == "Jitter":
             gate_input = routing.multiplicative_jitter(gate_input, JITTER_EPS)
         logits = F.linear(gate_input, self.gate.weight.float())
+        self._check_finite(x, logits, used_token)
         capacity_factor = None if args.is_dropless else (
             args.capacity_factor if self.training else args.eval_capacity_factor)
         if args.deepspeed_compat:
@@ -201,10 +284,40 @@ class MoE(_DeepSpeedMoE):
         rts = None
         if self.training and args.use_rts and capacity_factor is not None:
             rts = torch.rand(x.shape[0], args.routes_per_token, device=logits.device)
+        scope = args.aux_loss_scope
+        global_load_fn = None
+        if scope == "global_batch" and self.training:
+            global_load_fn = self.balance.add_global_load  # a collective over the DP ranks in every training forward
         return routing.route(logits, top_k=args.k, num_prototypes=args.num_prototypes,
                              capacity_factor=capacity_factor, min_capacity=args.min_capacity,
                              drop_policy=args.effective_drop_policy, used_token=used_token, rts_priority=rts,
-                             selection_noise=noise, noise_from_choice=noise_from_choice)
+                             selection_noise=noise, noise_from_choice=noise_from_choice,
+                             score_function=args.score_function,
+                             expert_bias=self.balance.bias if args.uses_expert_bias else None,
+                             normalize_routes=args.normalize_routes, aux_loss_scope=scope,
+                             sequence_length=sequence_length, global_load_fn=global_load_fn)
+
+    def _check_finite(self, x: Tensor, logits: Tensor, used_token: Optional[Tensor]) -> None:
+        """Refuse NaN/inf router logits (always on: one ``isfinite`` over the small ``[tokens, E]`` logits).
+
+        A non-finite logit would route garbage and spread NaN into every expert's gradient; the
+        error says whether the layer's input or its router weight holds the NaN/inf.
+        """
+        if bool(torch.isfinite(logits.sum())):  # one reduction (measured 35x cheaper than the per-token check)
+            return
+        finite = torch.isfinite(logits).all(dim=-1)  # the sum overflowed or a logit is NaN/inf: find which
+        if used_token is not None:  # masked tokens are never routed
+            finite = finite | (used_token.reshape(-1) == 0)
+        if bool(finite.all()):
+            return
+        bad = (~finite).nonzero()[:, 0]
+        bad_inputs = int((~torch.isfinite(x).all(dim=-1)).sum())
+        cause = (f"the layer's input (hidden_states) holds NaN/inf in {bad_inputs} of {x.shape[0]} tokens"
+                 if bad_inputs else "the router weight (gate.weight) holds NaN/inf"
+                 if not bool(torch.isfinite(self.gate.weight).all()) else "the logits overflowed")
+        raise FloatingPointError(
+            f"MoE layer (hidden_size {self.args.hidden_size}, {self.args.num_experts} experts): router logits are "
+            f"not finite for {bad.numel()} of {x.shape[0]} tokens (first: token {int(bad[0])}): {cause}")
 
     def dispatch(self, x: Tensor, record: RoutingRecord) -> Tuple[Tensor, DispatchPlan]:
         """Stage 2: index plan and the expert-major buffer ``[kept routes, hidden]``."""
@@ -279,6 +392,10 @@ class MoE(_DeepSpeedMoE):
     def combine(self, expert_output: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
         """Stage 4: gate-weighted scatter-add back to ``[num_tokens, hidden]``."""
         return dispatch_ops.unpermute(expert_output, plan, num_tokens)
+
+    def _shared_output(self, x: Tensor) -> Tensor:
+        counts = torch.tensor([x.shape[0]], device=x.device)
+        return self.shared_experts(x, counts)
 
     def _mix_residual(self, hidden_states: Tensor, moe_output: Tensor) -> Tensor:
         if isinstance(self.mlp, GroupedExperts):

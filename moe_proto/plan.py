@@ -12,7 +12,9 @@ expert-parallel size ``ep`` and expert data parallelism ``edp = W / ep``:
 * parameters: experts ``E_params / ep`` (each EP rank holds ``E/ep`` experts of every MoE
   layer), dense parts (attention, norms, routers, embeddings) replicated;
 * ZeRO partitions over data parallelism: stage 1 the optimizer state, stage 2 also the
-  gradients, stage 3 also the parameters; dense parts over ``W`` ranks, experts over ``edp``;
+  gradients, stage 3 also the parameters; dense parts over ``W`` ranks, experts over ``edp``
+  (under stage 3 as DeepSpeed's AutoEP placement does for :class:`moe_proto.zero3.ZeRO3MoE`;
+  rows of stage 3 carry :data:`ZERO3_NOTE`);
 * bytes per parameter: params and grads 2 (fp16/bf16) or 4 (fp32); optimizer: Adam keeps
   an fp32 master copy (mixed precision only) + 2 fp32 moments (12 or 8 B); Adafactor
   (beta1=None) an fp32 master copy (mixed precision only) + factored second moments: one
@@ -67,6 +69,9 @@ DEFAULT_RESERVE_GB = 2.0
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 OFFLOADS = ("none", "optimizer", "optimizer_and_params")
 OPTIMIZERS = ("adam", "adafactor")
+# What a ZeRO-3 row needs (docs/moe.md "ZeRO-3"): the layer class DeepSpeed 0.19.8 accepts there.
+ZERO3_NOTE = ("ZeRO-3 needs the MoE layers built with zero_stage=3 (moe_proto.zero3.ZeRO3MoE, DeepSpeed's AutoEP "
+              "layer class; tested without offload); the LM job builds them under a stage-3 config")
 
 
 @dataclass(frozen=True)
@@ -260,7 +265,7 @@ def plan_memory(counts: ParamCounts, args: MoETransformerArgs, choices: Choices,
         block = counts.largest_block - counts.largest_block_expert + counts.largest_block_expert / ep_size
         params = p * block
     if choices.zero_stage == 3 and args.num_experts:
-        notes.append("DeepSpeed 0.19.8 refuses its MoE layers under ZeRO-3 (moe_proto.MoE derives from them)")
+        notes.append(ZERO3_NOTE)
     reason = choices.invalid_reason()
     if reason:
         notes.append(reason)

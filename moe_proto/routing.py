@@ -28,14 +28,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, Optional, Tuple
+from typing import Callable, Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .balance import global_batch_aux_loss, sequence_aux_loss
+
 DropPolicy = Literal["probs", "position"]
 DROP_POLICIES: Tuple[str, ...] = ("probs", "position")
+ScoreFunction = Literal["softmax", "sigmoid"]
+SCORE_FUNCTIONS: Tuple[str, ...] = ("softmax", "sigmoid")
+AuxLossScope = Literal["micro_batch", "sequence", "global_batch"]
+AUX_LOSS_SCOPES: Tuple[str, ...] = ("micro_batch", "sequence", "global_batch")
+# (routes per expert [E], used tokens) of this call -> the same counts over the whole global batch so far.
+GlobalLoadFn = Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]
+_SIGMOID_EPS = 1e-20  # keeps the sum of sigmoid scores away from 0 when they are normalised (DeepSeek-V3)
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,12 @@ def route(
     rts_priority: Optional[Tensor] = None,
     selection_noise: Optional[Tensor] = None,
     noise_from_choice: int = 0,
+    score_function: ScoreFunction = "softmax",
+    expert_bias: Optional[Tensor] = None,
+    normalize_routes: Optional[bool] = None,
+    aux_loss_scope: AuxLossScope = "micro_batch",
+    sequence_length: Optional[int] = None,
+    global_load_fn: Optional[GlobalLoadFn] = None,
 ) -> RoutingRecord:
     """Route S tokens over E experts: top-k, expert prototyping, capacity or dropless.
 
@@ -191,6 +206,26 @@ def route(
     drops, p_e = mean router probability of e), then averaged over prototypes; P=1,
     top_k=1 is exactly DeepSpeed/Switch top-1's ``l_aux``. z-loss: see
     :func:`router_z_loss`. Both average over used tokens only.
+
+    Scores: ``score_function="softmax"`` (above) or ``"sigmoid"`` (independent
+    ``sigmoid(logit)`` per expert, DeepSeek-V3); with sigmoid the aux loss's ``p_e`` uses
+    the scores divided by their sum within the prototype. ``normalize_routes`` overrides
+    the renormalisation rule: True divides a prototype's selected gates by their sum for
+    any top_k (top_k=1 softmax then gives weight 1), False never; None keeps
+    ``top_k > 1 and normalize_topk``.
+
+    Aux-loss-free balancing: ``expert_bias`` (``[E]``) is added to the scores for choosing
+    experts only (top-k of ``score + bias``); gates, capacity priorities and the aux loss
+    use the unbiased scores. Not combinable with ``selection_noise``.
+
+    Aux loss scope: ``"micro_batch"`` as above over this call's S tokens; ``"sequence"``
+    the same loss computed per sequence of ``sequence_length`` consecutive tokens
+    (``f`` and ``p`` from that sequence's used tokens) and averaged over sequences that have
+    used tokens (DeepSeek-V3's sequence-wise loss); ``"global_batch"`` takes ``f`` from
+    ``global_load_fn(routed_per_expert, used_tokens)`` - the layer returns the counts summed
+    over the micro-batches of the step so far and the data-parallel ranks (detached) - and
+    ``p`` from this call's tokens (Megatron's global aux loss); without ``global_load_fn``
+    it equals ``"micro_batch"``.
 
     Args:
         logits: ``[S, E]`` router logits (fp32 recommended).
@@ -219,12 +254,23 @@ def route(
         raise ValueError(f"rts_priority must be [tokens, routes] = [{s}, {routes}], got {tuple(rts_priority.shape)}")
     if selection_noise is not None and selection_noise.shape != logits.shape:
         raise ValueError(f"selection_noise must match logits {tuple(logits.shape)}, got {tuple(selection_noise.shape)}")
+    _check_options(e, score_function, expert_bias, selection_noise, aux_loss_scope, sequence_length, s)
     token_mask = _token_mask(used_token, s, logits.device)
 
     logits_g = logits.reshape(s, num_prototypes, group)
-    probs_g = _group_softmax(logits_g)
-    local, raw_gate = _select_topk(logits_g, probs_g, top_k, selection_noise, noise_from_choice)  # [S, P, k]
-    gate = raw_gate / raw_gate.sum(-1, keepdim=True) if top_k > 1 and normalize_topk else raw_gate
+    sigmoid = score_function == "sigmoid"
+    probs_g = torch.sigmoid(logits_g) if sigmoid else _group_softmax(logits_g)
+    if expert_bias is None:
+        local, raw_gate = _select_topk(logits_g, probs_g, top_k, selection_noise, noise_from_choice)  # [S, P, k]
+    else:
+        local = (probs_g + expert_bias.to(probs_g.dtype).view(1, num_prototypes, group)).topk(top_k, dim=-1).indices
+        raw_gate = probs_g.gather(-1, local)  # gates from the unbiased scores
+    normalize = top_k > 1 and normalize_topk if normalize_routes is None else normalize_routes
+    if normalize:
+        gate = raw_gate / (raw_gate.sum(-1, keepdim=True) + _SIGMOID_EPS) if sigmoid else \
+            raw_gate / raw_gate.sum(-1, keepdim=True)
+    else:
+        gate = raw_gate
     offset = torch.arange(num_prototypes, device=logits.device).view(1, -1, 1) * group
     expert_index = (local + offset).reshape(s, routes)
 
@@ -236,7 +282,15 @@ def route(
         priority = raw_gate.detach().reshape(s, routes) if drop_policy == "probs" else None
     keep, slot, routed, kept = _assign_slots(expert_index, eligible, e, capacity, priority)
 
-    aux = _prototype_aux_loss(probs_g, routed, top_k, token_mask)
+    aux_probs = probs_g / (probs_g.sum(-1, keepdim=True) + _SIGMOID_EPS) if sigmoid else probs_g
+    if aux_loss_scope == "sequence":
+        aux = sequence_aux_loss(aux_probs, expert_index, top_k, token_mask, sequence_length)
+    elif aux_loss_scope == "global_batch" and global_load_fn is not None:
+        used = torch.tensor(s, device=logits.device) if token_mask is None else token_mask.sum()
+        global_routed, global_tokens = global_load_fn(routed, used)
+        aux = global_batch_aux_loss(_masked_mean(aux_probs, token_mask), global_routed, global_tokens, top_k)
+    else:
+        aux = _prototype_aux_loss(aux_probs, routed, top_k, token_mask)
     return RoutingRecord(
         expert_index=expert_index,
         gate=gate.reshape(s, routes) * keep,
@@ -349,6 +403,24 @@ def route_deepspeed_top2(logits: Tensor, capacity_factor: Optional[float], min_c
         aux_loss=aux,
         z_loss=router_z_loss(logits),
     )
+
+
+def _check_options(num_experts: int, score_function: str, expert_bias: Optional[Tensor],
+                   selection_noise: Optional[Tensor], aux_loss_scope: str, sequence_length: Optional[int],
+                   num_tokens: int) -> None:
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function={score_function!r} must be one of {SCORE_FUNCTIONS}")
+    if aux_loss_scope not in AUX_LOSS_SCOPES:
+        raise ValueError(f"aux_loss_scope={aux_loss_scope!r} must be one of {AUX_LOSS_SCOPES}")
+    if expert_bias is not None:
+        if tuple(expert_bias.shape) != (num_experts, ):
+            raise ValueError(f"expert_bias must be [num_experts] = [{num_experts}], got {tuple(expert_bias.shape)}")
+        if selection_noise is not None:
+            raise ValueError("expert_bias and selection_noise both change the selection: use one of them")
+    if aux_loss_scope == "sequence":
+        if sequence_length is None or sequence_length < 1 or num_tokens % sequence_length:
+            raise ValueError(f"aux_loss_scope='sequence' needs sequence_length >= 1 dividing the {num_tokens} "
+                             f"tokens, got {sequence_length!r}")
 
 
 def _check_logits(logits: Tensor) -> Tuple[int, int]:

@@ -48,11 +48,12 @@ from picasso_ops.cache.fields import CachedFieldEmbeddings
 from picasso_ops.cache.store import HostRowStore, MmapRowStore, RowStore
 from picasso_ops.config import CacheConfig, PicassoConfig
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
+from picasso_ops.embedding.packed import PackedEmbeddingCollection
 from picasso_ops.interleave.forward import InterleavedForward
 from picasso_ops.models.wide_deep import PackedFieldEmbeddings
 
-__all__ = ["PicassoBlockError", "apply_picasso_block", "cached_field_embeddings", "cached_modules", "flush_caches",
-           "picasso_summary", "monitor_events", "with_children"]
+__all__ = ["PicassoBlockError", "apply_picasso_block", "bounds_check_summary", "cached_field_embeddings",
+           "cached_modules", "flush_caches", "picasso_summary", "monitor_events", "set_bounds_check", "with_children"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Opti
         >>> type(model).__name__, type(model.embeddings).__name__
         ('InterleavedForward', 'CachedFieldEmbeddings')
     """
+    set_bounds_check(model, block)
     if block.cache is not None:
         cache = block.cache
         children = _packed_children(model)
@@ -214,6 +216,47 @@ def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Opti
         if rank == 0:
             logger.info("picasso interleave: %d micro-batches per batch", block.interleave.micro_batches)
     return model
+
+
+def set_bounds_check(model: nn.Module, block: PicassoConfig) -> int:
+    """Give every packed collection of ``model`` the block's ``bounds_check`` mode; returns how many.
+
+    "warn" and "clamp" replace ids in the packed data-parallel lookup; a cache or row-wise tables
+    check ids on their own path (fatally), so those combinations are refused, naming the keys.
+
+    Example::
+
+        >>> set_bounds_check(nn.Linear(2, 2), PicassoConfig())
+        0
+    """
+    if block.bounds_check != "fatal" and (block.cache is not None or block.sharding != "data_parallel"):
+        where = "picasso.cache" if block.cache is not None else f'picasso.sharding = "{block.sharding}"'
+        raise PicassoBlockError(
+            f'picasso.bounds_check = "{block.bounds_check}" with {where}: out-of-range ids are replaced in the '
+            'packed data-parallel lookup only (a cache or row-wise tables check ids on their own path and stop '
+            'at a bad one); use bounds_check "fatal", or drop the cache / use sharding "data_parallel"')
+    found = [m for m in model.modules() if isinstance(m, PackedEmbeddingCollection)]
+    for m in found:
+        m.bounds_check = block.bounds_check
+    return len(found)
+
+
+def bounds_check_summary(model: nn.Module) -> dict[str, Any] | None:
+    """The mode and this process's out-of-range ids by table of a model whose collections warn or clamp, else None.
+
+    Example::
+
+        >>> bounds_check_summary(nn.Linear(2, 2)) is None
+        True
+    """
+    found = [m for m in model.modules() if isinstance(m, PackedEmbeddingCollection) and m.bounds_check != "fatal"]
+    if not found:
+        return None
+    counts: dict[str, int] = {}
+    for m in found:
+        for table, n in m.bounds_check_counts().items():
+            counts[table] = counts.get(table, 0) + n
+    return {"mode": found[0].bounds_check, "out_of_range_ids": sum(counts.values()), "by_table": counts}
 
 
 def cached_modules(model: nn.Module) -> list[tuple[str, CachedFieldEmbeddings]]:
@@ -251,6 +294,9 @@ def picasso_summary(model: nn.Module) -> dict[str, Any]:
     """
     k = model.micro_batches if isinstance(model, InterleavedForward) else 1
     out: dict[str, Any] = {"interleave_micro_batches": k}
+    bounds = bounds_check_summary(model)
+    if bounds is not None:  # ids that bounds_check "warn" / "clamp" replaced on this rank
+        out["bounds_check"] = bounds
     mods = cached_modules(model)
     if not mods:
         return out

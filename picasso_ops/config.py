@@ -2,6 +2,7 @@
 
     >>> PicassoConfig.model_validate({"packing": True, "cache": {"rows": 200000}})
     >>> PicassoConfig.model_validate({"interleave": {"micro_batches": 2, "prefetch_batches": 2}})
+    >>> PicassoConfig.model_validate({"bounds_check": "warn"})
 """
 from __future__ import annotations
 
@@ -112,3 +113,9 @@ class PicassoConfig(StrictBlock):
     interleave: InterleaveConfig = Field(
         InterleaveConfig(), description="Micro-batch interleaving inside a step and read-ahead of training batches "
                                         "(both off by default).")
+    bounds_check: Literal["fatal", "warn", "clamp"] = Field(
+        "fatal", description='What a lookup does with an embedding id < 0 or >= its table\'s rows (FBGEMM\'s '
+                             'BoundsCheckMode): "fatal" stops with an error naming the field, table, id and range; '
+                             '"warn" looks the id up as row 0 (FBGEMM\'s WARNING) and "clamp" as the nearest valid '
+                             'row, both logged once per table and counted in the summary (data-parallel tables '
+                             'without a cache or gba block only).')

@@ -28,7 +28,7 @@ def test_step_time_keeps_nan_and_exact_floats():
 
 
 @pytest.mark.parametrize("end", [p.Leave(target=12, reason="recovered, ratios [1.0, 1.1]"),
-                                 p.Leave(target=0, reason="a|b"), p.Finished()])
+                                 p.Leave(target=0, reason="a|b"), p.Finished(), p.Kept("workers [1] are gone")])
 def test_phase_end_round_trips(end):
     assert p.PhaseEnd.decode(end.encode()) == end
 
@@ -57,7 +57,7 @@ def test_scalars_and_stats_round_trip():
     (p.decode_command, '{"m": 4}', 'with an "op"'),
     (p.decode_command, "not json", 'with an "op"'),
     (p.decode_command, '{"op": "serve", "n": 4}', "bad fields for 'serve'"),
-    (p.PhaseEnd.decode, "stay|3|x", "expected 'finished' or 'leave|TARGET|REASON'"),
+    (p.PhaseEnd.decode, "stay|3|x", "expected 'finished', 'kept|REASON' or 'leave|TARGET|REASON'"),
     (p.PhaseEnd.decode, "leave|soon|x", "not an integer"),
     (p.StepTime.decode, "12", "StepTime"),
     (p.SaveRequest.decode, "1|2", "SaveRequest"),
@@ -106,3 +106,38 @@ def test_server_stats_merge_once_without_touching_the_totals():
     assert totals == empty_stats()  # a new dict: the input is not mutated
     assert again["received"] == 8 and again["dropped"] == 2 and again["staleness"] == {"0": 6, "2": 2}
     assert again["lost_workers"] == [0, 2] and again["rejoined"] == [1] and again["pushes"] == {"0": 3, "1": 2}
+
+
+def _phase_on_a_store(number: int):
+    """A GBAPhase whose context has only a real TCPStore (keep() touches nothing else)."""
+    import datetime
+    import types
+
+    from torch.distributed import TCPStore
+
+    from gba_engine.phases.gba import GBAPhase
+    from sparse_scale.multiproc import free_port
+
+    store = TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=10))
+    phase = GBAPhase(types.SimpleNamespace(rt=types.SimpleNamespace(store=store)), kept=False)
+    phase.number = number
+    return phase, store
+
+
+def test_keep_loses_to_a_leave_set_first_and_publishes_no_joinable_phase():
+    # the CI flake: a worker kept a phase the first worker had already decided to leave, so a restarted
+    # worker joined while the servers served sync's tables-only phase
+    phase, store = _phase_on_a_store(3)
+    store.set(p.end_key(3), p.Leave(target=5, reason="recovered").encode())
+    assert phase.keep("worker 0 is gone") is False
+    assert not phase.kept and not store.check([p.joinable_key()])
+    assert p.PhaseEnd.decode(store.get(p.end_key(3))) == p.Leave(target=5, reason="recovered")
+
+
+def test_keep_wins_an_open_phase_and_a_later_leave_or_finish_loses():
+    phase, store = _phase_on_a_store(2)
+    assert phase.keep("workers [1] are gone") is True
+    assert phase.kept and p.decode_int(store.get(p.joinable_key())) == 2
+    for late in (p.Leave(target=9, reason="recovered"), p.Finished()):  # what auto's first worker / data end try
+        assert p.PhaseEnd.decode(store.compare_set(p.end_key(2), "", late.encode())) == p.Kept("workers [1] are gone")
+    assert phase.keep("the first worker 0 is gone") is True  # a second keeper agrees with the first

@@ -505,3 +505,20 @@ def test_cache_store_calls_and_stall_detection(launch_b):
     assert dense == [float(i) - 1.0 for i in range(7)] and row2 == [[1.0, 1.0]] and token == (1, 1)
     assert s0["stats"]["stalls"] == 1 and s0["stats"]["version"] == 1 and s1["stats"]["version"] == 1
     assert s0["table"][1].tolist() == [1.0, 1.0]  # id 2 lives on server 0 at local row 1
+
+
+def test_a_serve_stays_open_for_timeout_s_while_dead_or_silent_workers_may_be_replaced():
+    # CI, stop 19: both workers' pairs broke at once and the server ended the job before the replacements joined
+    from gba_engine.ps.server import PeerState as P, serve_is_over
+
+    assert not serve_is_over([P.DEAD, P.DEAD], finished=False, idle_s=2.0, timeout_s=15.0)
+    assert serve_is_over([P.DEAD, P.DEAD], finished=False, idle_s=15.5, timeout_s=15.0)
+    assert not serve_is_over([P.BYE, P.DEAD], finished=False, idle_s=0.0, timeout_s=15.0)
+    assert not serve_is_over([P.SILENT, P.BYE], finished=False, idle_s=14.0, timeout_s=15.0)
+    assert not serve_is_over([P.ACTIVE, P.DEAD], finished=True, idle_s=99.0, timeout_s=15.0)
+    assert serve_is_over([P.DEAD, P.BYE], finished=True, idle_s=0.0, timeout_s=15.0)  # finished: no rejoin awaited
+    # a worker silent past its lease may still be inside a finished phase: it is waited for too, so that
+    # its late pull does not land in the next phase
+    assert not serve_is_over([P.SILENT, P.BYE], finished=True, idle_s=3.0, timeout_s=15.0)
+    assert serve_is_over([P.SILENT, P.BYE], finished=True, idle_s=15.5, timeout_s=15.0)
+    assert serve_is_over([P.BYE, P.BYE], finished=False, idle_s=0.0, timeout_s=15.0)

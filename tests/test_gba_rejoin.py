@@ -1,7 +1,8 @@
 """A worker whose process died rejoins a running job (2 workers + 1 server, gloo on 127.0.0.1).
 
 Three launches: mode ``gba`` where worker 1 dies; mode ``auto``, where worker 1 straggles so that
-the job moves to gba and then worker 1 dies (the first worker pins the job to gba); and ``auto``
+the job moves to gba (and stays: a switch back to sync before the death would leave no phase to
+rejoin) and then worker 1 dies (the first worker pins the job to gba); and ``auto``
 where worker 0, the coordinator of auto mode, dies (the other pins it). The dead worker trains a
 few numbered batches in gba, then dies (``os._exit``). A fresh interpreter that the
 test starts beforehand (standing in for a supervisor that restarts crashed processes) waits for
@@ -94,8 +95,8 @@ def _launch(rank: int, world_size: int, tmp: str, mode: str, dead: int) -> dict:
     taken, losses, modes, waited = [], [], [], False
     for index in engine.claim_batches(TOTAL):
         modes.append(engine.mode)  # the mode this step trains in (a switch happens after the step)
-        if rank == 1 and mode == "auto" and engine.mode == "sync":
-            time.sleep(0.3)  # a straggler: auto mode moves the job to gba
+        if rank == 1 and mode == "auto":
+            time.sleep(0.3)  # a straggler throughout: auto moves the job to gba and, never recovering, stays there
         losses.append(_step(engine, index))
         taken.append(index)
         if rank == dead and modes.count("gba") == DIE_AFTER:

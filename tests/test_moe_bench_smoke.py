@@ -35,6 +35,7 @@ def test_benchmark_runs_every_mode_on_tiny_sizes(bench):
     assert [r.mode for r in rows] == [m.name for m in bench.MODES]
     for row in rows:
         assert row.ours_s > 0 and row.ideal_s > 0 and row.ours_peak >= 0 and row.ds_s is None
+        assert row.experts_only_s > 0
         assert 0.0 <= row.ours_drop_rate <= 1.0
     table = bench.format_table(rows)
     assert table.count("\n") == len(rows) + 1 and "P=2 dropless" in table

@@ -266,3 +266,20 @@ def test_bad_expert_arguments():
         layer(torch.randn(8, D), used_token=torch.ones(8))
     with pytest.raises(ValueError, match="last dim"):
         layer(torch.randn(8, D + 1))
+
+
+def test_the_finiteness_check_passes_masked_nan_tokens_and_logits_whose_sum_overflows():
+    # the check first tests the sum of the logits: a NaN of a masked token or an overflowing sum of
+    # finite logits must fall through to the per-token check and pass, a used NaN token must not
+    moe = _make(dict(k=1, capacity_factor=2.0))
+    x = torch.randn(8, D)
+    x[3] = float("nan")
+    used = torch.ones(8)
+    used[3] = 0
+    out, _, _ = moe(x, used_token=used)
+    assert torch.isfinite(out).all() and torch.all(out[3] == 0)
+    with torch.no_grad():
+        moe.gate.weight.fill_(3e37)
+    assert torch.isfinite(moe(torch.ones(8, D) / D)[0]).all()  # every logit 3e37: finite, their sum is not
+    with pytest.raises(FloatingPointError, match="1 of 8 tokens"):
+        moe(x)

@@ -433,7 +433,7 @@ def test_build_clears_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch,
     """The real build path: a stale lock in the extensions dir is gone before cpp_extension.load runs."""
     bind_config(OpsConfig(extensions_dir=str(tmp_path)))
     directory = builder.build_directory()
-    assert directory == tmp_path / builder.EXTENSION_NAME
+    assert directory == tmp_path / f"{builder.EXTENSION_NAME}-{builder.build_key()}"
     directory.mkdir(parents=True)
     lock = directory / "lock"
     lock.touch()
@@ -452,6 +452,41 @@ def test_build_clears_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch,
     assert seen["lock_exists"] is False and seen["build_directory"] == str(directory)
     assert seen["markers"] == [f"builder.{builder.socket.gethostname()}.{os.getpid()}"]
     assert not list(directory.glob("builder.*"))  # marker removed after the build
+
+
+_CPU_AVX512 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+_CPU_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2\n"
+
+
+def test_native_builds_are_cached_per_cpu_kind(tmp_path):
+    """-march=native: a CPU with other ISA flags gets its own build folder; a portable -march shares one."""
+    native = OpsConfig(extensions_dir=str(tmp_path), march="native")
+    avx512 = builder.build_directory(native, cpuinfo=_CPU_AVX512)
+    avx2 = builder.build_directory(native, cpuinfo=_CPU_AVX2)
+    assert avx512 != avx2 and avx512.parent == avx2.parent == tmp_path
+    assert avx512.name.startswith(f"{builder.EXTENSION_NAME}-native-")
+    reordered = _CPU_AVX512.replace("avx2 avx512f avx512bw", "avx512bw avx2 avx512f")
+    assert builder.build_directory(native, cpuinfo=reordered) == avx512  # flag order is not a CPU kind
+    portable = OpsConfig(extensions_dir=str(tmp_path), march="x86-64-v2")
+    assert builder.build_directory(portable, cpuinfo=_CPU_AVX512) == builder.build_directory(portable,
+                                                                                          cpuinfo=_CPU_AVX2)
+    assert builder.build_directory(portable).name == f"{builder.EXTENSION_NAME}-x86-64-v2"
+    assert builder.cpu_isa_flags("Features\t: fp asimd sve\n") == ("asimd", "fp", "sve")  # ARM's spelling
+
+
+def test_build_goes_to_this_cpus_folder(tmp_path, monkeypatch, bind_config):
+    """The real build path compiles into the folder keyed by this CPU's flags, not a shared one."""
+    bind_config(OpsConfig(extensions_dir=str(tmp_path), march="native"))
+    monkeypatch.setattr(builder, "cpu_isa_flags", lambda cpuinfo=None: ("fpu", "sse2", "avx2"))
+    seen = {}
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: seen.update(kwargs))
+    builder._build(verbose=False, stale_after_s=60, clear_stale=True)
+    first = seen["build_directory"]
+    monkeypatch.setattr(builder, "cpu_isa_flags", lambda cpuinfo=None: ("fpu", "sse2", "avx2", "avx512f"))
+    builder._build(verbose=False, stale_after_s=60, clear_stale=True)
+    assert seen["build_directory"] != first and "-march=native" in seen["extra_cflags"]
 
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
@@ -556,7 +591,7 @@ assert ops.select_backend(torch.device("cuda")) == "triton"
 ops.configure(OpsConfig.from_env(os.environ))
 assert ops.select_backend(torch.device("cuda")) == "reference"
 assert not builder.load_ops() and ops.select_backend(torch.device("cpu")) == "reference"
-assert str(builder.build_directory()) == "/tmp/elsewhere/picasso_ops_cpu"
+assert str(builder.build_directory()).startswith("/tmp/elsewhere/picasso_ops_cpu-"), builder.build_directory()
 print("ok")
 """
 

@@ -39,6 +39,9 @@ def files(tmp_path):
         "gba+moe-ep1": _file(tmp_path, "gm1", gba=gba, moe_proto={"num_experts": 4, "ep_size": 1}),
         "moe_model": _file(tmp_path, "mm", moe_model={"num_layers": 2, "d_model": 32, "num_heads": 2,
                                                        "ffn_hidden_size": 64}),
+        "dropless": _file(tmp_path, "dl", moe_proto={"num_experts": 4, "dropless": True, "min_capacity": 8}),
+        "picasso8": _file(tmp_path, "p8", picasso={"embedding_dim": 8}),
+        "gba+warn": _file(tmp_path, "gw", gba=gba, picasso={"bounds_check": "warn"}),
     }
 
 
@@ -57,6 +60,11 @@ REFUSED = [
     ("plain", "server-tables-without-gba", {"server_tables": True}, "--server-tables needs a gba block (the tables"),
     ("plain", "files-without-files", {"data": "criteo", "train_files": ("a.tsv",)},
      "--data criteo needs --train-files and --eval-files"),
+    ("dropless", "moe-dropless-unused-keys", {}, "moe_proto.dropless is true, so the tower keeps every route and "
+                                                 "never reads moe_proto.min_capacity"),
+    ("picasso8", "embedding-dim+picasso", {"embedding_dim": 32}, "--embedding-dim 32 with a picasso block: the "
+                                                                 "packed tables take picasso.embedding_dim (8)"),
+    ("gba+warn", "bounds-check-unsupported", {}, 'picasso.bounds_check "warn" with a gba block'),
 ]
 
 
@@ -111,7 +119,7 @@ def test_parse_straggler(text, expected):
     ({"zipf": float("nan")}, "--zipf nan: must be a finite exponent"),
     ({"max_bad_fraction": 1.5}, r"--max-bad-fraction 1.5: must be in \[0, 1\]"),
     ({"max_bad_fraction": float("nan")}, "--max-bad-fraction nan"),
-    ({"save_every": -1}, "--save-every and --threads must be >= 0"),
+    ({"save_every": -1}, "--save-every -1: must be >= 0"),
 ])
 def test_flags_out_of_range_are_refused_before_training_and_name_the_flag(files, flags, match):
     with pytest.raises(RecJobError, match=match):

@@ -152,3 +152,20 @@ def test_entry_points_need_no_path_edits(command):
                           cwd="/", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--heldout-fraction" in done.stdout and "--resume" in done.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_train_and_resume_under_zero_stage_3_with_expert_parallelism(tmp_path):
+    """ZeRO-3 (the layers are ZeRO3MoE), ep=2, prototypes: stop after 2 of 4 steps, resume, same model."""
+    data, cfg = _data(tmp_path), _config(tmp_path, num_prototypes=2, ep_size=2)
+    raw = json.loads(Path(cfg).read_text())
+    raw["zero_optimization"] = {"stage": 3}
+    Path(cfg).write_text(json.dumps(raw))
+    straight = run_distributed(_run_job, 2, args=(_job(cfg, data, tmp_path / "a", 4),), timeout_s=300,
+                               init_process_group=False)
+    assert straight[0]["steps"] == 4 and straight[0]["eval_loss"] == straight[1]["eval_loss"]
+    assert 0 < straight[0]["eval_bits_per_byte"] < 9
+    run_distributed(_run_job, 2, args=(_job(cfg, data, tmp_path / "b", 2),), timeout_s=300, init_process_group=False)
+    resumed = run_distributed(_run_job, 2, args=(_job(cfg, data, tmp_path / "b", 4, resume=True),), timeout_s=300,
+                              init_process_group=False)
+    assert resumed[0]["eval_loss"] == pytest.approx(straight[0]["eval_loss"], abs=1e-6)

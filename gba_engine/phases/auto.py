@@ -6,8 +6,8 @@
   decision; to gba when a worker straggles. In gba the first worker reads the times from the
   control plane and, when the stragglers recovered, sets the phase's end to
   ``Leave(target)``: every worker leaves after ``target`` pushes of the phase (exact under
-  ``max_lead``). A lost worker (or a lost first worker) keeps the job in gba for good, where
-  a restarted worker may join.
+  ``max_lead``). A lost worker (or a lost first worker) keeps the job in gba for good
+  (``Kept``, which loses to a ``Leave`` set first), where a restarted worker may join.
 
 Example::
 
@@ -112,6 +112,12 @@ class AutoSwitch(SwitchPolicy):
         if store.check([end]):
             decided = PhaseEnd.decode(store.get(end))
             if isinstance(decided, Leave) and phase.pushes >= decided.target:
+                lost = ctx.worker_live.poll()
+                if lost:  # the hand-back is a collective over every launched worker: it cannot complete
+                    raise RuntimeError(
+                        f"gba: workers {sorted(lost)} died after the job decided to leave gba phase {phase.number} "
+                        f"for sync ({decided.reason}); sync needs every worker DeepSpeed launched: restart the "
+                        "job from its last checkpoint")
                 host.switch_to_sync(reason=decided.reason)
 
     def _leave_target(self, phase: GBAPhase) -> int:

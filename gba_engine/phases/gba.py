@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ..protocol import (FLAG, Finished, GetState, Leave, PhaseEnd, PutState, Serve, decode_int, encode_int,
+from ..protocol import (FLAG, Finished, GetState, Kept, Leave, PhaseEnd, PutState, Serve, decode_int, encode_int,
                         end_key, exhausted_key, joinable_key, out_key, version_key)
 from ..ps import PSClient
 from ..ps.sharding import DenseSharding
@@ -67,6 +67,11 @@ class GBAPhase(Phase):
                 ctx.commands.wait_acks(ctx.commands.send(PutState(src=ctx.rt.rank)))
                 for works in sends:
                     wait_sent(works)
+            if ctx.tables and len(ctx.workers) > 1:
+                # The servers take PutState only once the sync phase's tables-only serve has ended (every
+                # goodbye). A worker that pulled for gba before then would land in that phase (a loaded CI
+                # machine: "dense parameters in a tables-only phase"), so every worker waits for the ack.
+                dist.barrier(group=ctx.rt.worker_group)
             ctx.truth = "servers"
         if ctx.is_first:  # acknowledged when the phase ends
             ctx.commands.send(Serve(m=ctx.gba.grads_per_update or ctx.num_workers))
@@ -91,11 +96,20 @@ class GBAPhase(Phase):
         self.start_version = ctx.version = min(versions)  # max_lead counts this worker's pulls from here
         self.client = PSClient(ctx.rt, ctx.dense_numel, ctx.tables)
 
-    def keep(self, why: str) -> None:
-        """From now on the job stays in this phase, where a restarted worker may join (logs ``why``)."""
+    def keep(self, why: str) -> bool:
+        """Try to keep the job in this phase for good, where a restarted worker may join; False if it already ends.
+
+        A compare_set on the phase's end: a ``Leave`` (or ``Finished``) set first wins, so the job
+        never publishes ``joinable`` for a phase it is about to leave.
+        """
+        store = self.ctx.rt.store
+        end = PhaseEnd.decode(store.compare_set(end_key(self.number), "", Kept(why).encode()))
+        if not isinstance(end, Kept):
+            return False
         self.kept = True
-        self.ctx.rt.store.set(joinable_key(), encode_int(self.number))
+        store.set(joinable_key(), encode_int(self.number))
         logger.warning("gba: %s; auto mode stays in gba", why)
+        return True
 
     def hand_back(self) -> TrainState:
         """Leave the phase: the servers' state, the same on every worker (collective over the workers)."""

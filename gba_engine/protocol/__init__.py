@@ -29,12 +29,14 @@ key                         written by                read by             value:
 ``save_done/<id>/<s>``      each server               first worker        ``FLAG``: shard of save ``id`` written
 ``exhausted/<phase>``       any worker                every server        ``FLAG``: the phase's batches ran out
 ``out/<phase>/<rank>``      each worker               every worker        ``FLAG``: no more pushes from rank
-``end/<phase>``             compare_set: first wins   every worker        ``PhaseEnd``: ``Leave`` / ``Finished``
+``end/<phase>``             compare_set: first wins   every worker        ``PhaseEnd``: ``Leave`` / ``Finished`` / ``Kept``
 ``t/<rank>``                each worker (auto, gba)   first worker        ``StepTime`` of its last local step
 ``rate/<rank>``             each worker               ``summary()``       ``encode_float``: local samples/s
 ``claims/<phase>``          workers (a counter)       workers             batches claimed in gba phase
 ``claims_base/<phase>``     each worker entering      rejoined worker     ``encode_int``: the phase's 1st batch
 ``gather/<name>/<rank>``    each live worker          each live worker    ``encode_object``: a gather's part
+``abort``                   compare_set: first rank   every rank's waits  ``AbortRecord``: a server is lost, stop
+                            to find a server lost
 ==========================  ========================  ==================  =====================================
 
 Every key starts with ``gba/`` (``keys._ROOT``).
@@ -54,24 +56,25 @@ Example::
 """
 from __future__ import annotations
 
-from .keys import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTES_EVENT, SWITCH_SECONDS_EVENT, ack_key,
-                   claims_base_key, claims_counter_key, closed_key, command_key, done_key, end_key, exhausted_key,
-                   gather_key, heartbeat_key, inbox_key, incarnation_key, joinable_key, layout_key, norm_key, out_key,
-                   pair_prefix, rate_key, samples_per_s_event, save_done_key, save_request_key, staleness_event,
-                   stats_key, step_time_key, store_address_key, version_key)
-from .messages import (COMMANDS, FLAG, Ack, Command, ControlMessageError, DoorbellMessage, Finished, GetState,
-                       LayoutRecord, Leave, LoadShards, PhaseEnd, PutState, SaveRequest, SaveShards, Serve, StepTime,
-                       StoreAddress, decode_command, decode_float, decode_int, decode_object, decode_stats,
-                       encode_command, encode_float, encode_int, encode_object, encode_stats)
+from .keys import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTES_EVENT, SWITCH_SECONDS_EVENT,
+                   abort_key, ack_key, claims_base_key, claims_counter_key, closed_key, command_key, done_key,
+                   end_key, exhausted_key, gather_key, heartbeat_key, inbox_key, incarnation_key, joinable_key,
+                   layout_key, norm_key, out_key, pair_prefix, rate_key, samples_per_s_event, save_done_key,
+                   save_request_key, staleness_event, stats_key, step_time_key, store_address_key, version_key)
+from .messages import (COMMANDS, FLAG, AbortRecord, Ack, Command, ControlMessageError, DoorbellMessage, Finished,
+                       GetState, Kept, LayoutRecord, Leave, LoadShards, PhaseEnd, PutState, SaveRequest, SaveShards,
+                       Serve, StepTime, StoreAddress, decode_command, decode_float, decode_int, decode_object,
+                       decode_stats, encode_command, encode_float, encode_int, encode_object, encode_stats)
 
 __all__ = [
-    "Ack", "COMMANDS", "Command", "ControlMessageError", "DECAYED_EVENT", "DROPPED_EVENT", "DoorbellMessage",
-    "FLAG", "Finished", "GetState", "LayoutRecord", "Leave", "LoadShards", "MODE_IS_GBA_EVENT", "PhaseEnd",
-    "PutState", "SWITCH_MBYTES_EVENT", "SWITCH_SECONDS_EVENT", "SaveRequest", "SaveShards", "Serve", "StepTime",
-    "StoreAddress", "ack_key", "claims_base_key", "claims_counter_key", "closed_key", "command_key",
-    "decode_command", "decode_float", "decode_int", "decode_object", "decode_stats", "done_key", "encode_command",
-    "encode_float", "encode_int", "encode_object", "encode_stats", "end_key", "exhausted_key", "gather_key",
-    "heartbeat_key", "inbox_key", "incarnation_key", "joinable_key", "layout_key", "norm_key", "out_key",
-    "pair_prefix", "rate_key", "samples_per_s_event", "save_done_key", "save_request_key", "staleness_event",
-    "stats_key", "step_time_key", "store_address_key", "version_key",
+    "AbortRecord", "Ack", "COMMANDS", "Command", "ControlMessageError", "DECAYED_EVENT", "DROPPED_EVENT",
+    "DoorbellMessage", "FLAG", "Finished", "GetState", "Kept", "LayoutRecord", "Leave", "LoadShards",
+    "MODE_IS_GBA_EVENT", "PhaseEnd", "PutState", "SWITCH_MBYTES_EVENT", "SWITCH_SECONDS_EVENT", "SaveRequest",
+    "SaveShards", "Serve", "StepTime", "StoreAddress", "abort_key", "ack_key", "claims_base_key",
+    "claims_counter_key", "closed_key", "command_key", "decode_command", "decode_float", "decode_int",
+    "decode_object", "decode_stats", "done_key", "encode_command", "encode_float", "encode_int", "encode_object",
+    "encode_stats", "end_key", "exhausted_key", "gather_key", "heartbeat_key", "inbox_key", "incarnation_key",
+    "joinable_key", "layout_key", "norm_key", "out_key", "pair_prefix", "rate_key", "samples_per_s_event",
+    "save_done_key", "save_request_key", "staleness_event", "stats_key", "step_time_key", "store_address_key",
+    "version_key",
 ]

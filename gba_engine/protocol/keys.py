@@ -132,6 +132,11 @@ def claims_base_key(phase: int) -> str:
     return _key("claims_base", phase)
 
 
+def abort_key() -> str:
+    """The job's :class:`AbortRecord`, set once (``compare_set``) by the first rank that finds a server lost."""
+    return _key("abort")
+
+
 def gather_key(name: str, rank: int) -> str:
     """Worker ``rank``'s part of the control-plane gather ``name``."""
     return _key("gather", name, rank)

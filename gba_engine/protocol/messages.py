@@ -153,6 +153,23 @@ class DoorbellMessage:
 
 
 @dataclasses.dataclass(frozen=True)
+class AbortRecord:
+    """Why the job stops: rank ``by`` found server rank ``server`` lost; ``reason`` is its error message."""
+
+    by: int
+    server: int
+    reason: str
+
+    def encode(self) -> str:
+        return f"{self.by}|{self.server}|{self.reason}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "AbortRecord":
+        by, server, reason = _fields("AbortRecord", raw, "|", 3)
+        return cls(*_ints("AbortRecord", raw, by, server), reason)
+
+
+@dataclasses.dataclass(frozen=True)
 class SaveRequest:
     """The first worker asks the servers to save their shards to ``path`` once at ``min_version``."""
 
@@ -208,17 +225,29 @@ class Finished:
         return "finished"
 
 
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """Auto mode: a worker is gone, so the job stays in this gba phase for good (a restarted one may join)."""
+
+    reason: str
+
+    def encode(self) -> str:
+        return f"kept|{self.reason}"
+
+
 class PhaseEnd:
-    """How a gba phase ends: ``Leave`` or ``Finished`` (``decode`` reads either)."""
+    """How a gba phase ends: ``Leave``, ``Finished`` or ``Kept`` (``decode`` reads each); the first set wins."""
 
     @staticmethod
-    def decode(raw: bytes | str) -> Union[Leave, Finished]:
+    def decode(raw: bytes | str) -> Union[Leave, Finished, Kept]:
         text = _text(raw)
         if text == "finished":
             return Finished()
+        if text.startswith("kept|"):
+            return Kept(text[len("kept|"):])
         kind, target, reason = _fields("PhaseEnd", raw, "|", 3) if text.startswith("leave|") else ("", "", "")
         if kind != "leave":
-            raise _fail("PhaseEnd", raw, "expected 'finished' or 'leave|TARGET|REASON'")
+            raise _fail("PhaseEnd", raw, "expected 'finished', 'kept|REASON' or 'leave|TARGET|REASON'")
         return Leave(_ints("PhaseEnd", raw, target)[0], reason)
 
 

@@ -5,7 +5,10 @@ doorbell on the control-plane store; replies come back the same way. A push retu
 soon as its sends are posted (the paper's non-blocking push: a fast worker goes on to its
 next batch); its sends are confirmed when the next reply arrives, by which time the
 server has read them. Every wait is on the store with a deadline (``timeout_s``) and
-heartbeat checks of the servers, never on an unannounced gloo recv.
+heartbeat checks of the servers, never on an unannounced gloo recv. A server that dies
+(its gloo connection breaks), freezes (its heartbeat stops for the lease) or does not answer
+within ``timeout_s`` raises :class:`~.runtime.ServerLostError` naming it, the request waited
+for and since when, and aborts the job (``PSRuntime.server_lost``).
 
 Tokens are per server (``tuple[int, ...]``): each server owns a disjoint shard and
 advances its own version, so no cross-server agreement is needed on the hot path.
@@ -26,6 +29,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Mapping, NamedTuple, Sequence
@@ -33,7 +37,7 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from .runtime import Liveness, PSConnectionError, PSRuntime
+from .runtime import Liveness, PSConnectionError, PSRuntime, ServerLostError, late
 from .sharding import DenseSharding, ServerTableSpec, RowRoute
 from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_PREFETCH, FLAG_STALLED, FLAG_VALIDATE, HEADER_LEN, Header, Kind,
                    Outgoing, ProtocolError, pack_floats, pack_ints, recv_message, schema_id, send_message,
@@ -108,6 +112,7 @@ class PSClient:
         self._seq = {s: 0 for s in self.servers}
         self._outgoing: list[tuple[int, int, Outgoing]] = []  # (server, seq, sends), waited once the server replied
         self._awaiting: set[tuple[int, int]] = set()  # (server, seq) of pulls whose reply has not been read
+        self._sent_at: dict[tuple[int, int], tuple[str, float]] = {}  # (server, seq) of a pull -> (what, time.time())
         self._stash: dict[tuple[int, int], tuple[Header, Tensor, Tensor]] = {}  # replies read before asked for
         self._abandoned: set[tuple[int, int]] = set()  # replies to drop when they come
         self.bytes_sent = 0  # every message to the servers: headers, ids, floats
@@ -308,6 +313,8 @@ class PSClient:
         if self._broken is not None:
             return
         try:
+            if self.rt.aborted:  # a server is lost: no goodbye can be confirmed
+                return
             for s in self.servers:
                 self._send(s, Kind.BYE, ints=None, floats=None)
             if self._awaiting:  # a prefetch's reply: the server answers every request, and its send waits for us
@@ -320,6 +327,8 @@ class PSClient:
             for _, _, out in self._outgoing:
                 out.wait()
         except RuntimeError as exc:  # a server that finished may already be gone: nothing is lost
+            if isinstance(exc, ServerLostError) and exc.by != self.rt.rank:
+                raise  # another rank found a server lost while this one said goodbye: the job is aborted
             logger.info("rank %d: goodbye not confirmed by every server: %s", self.rt.rank, str(exc)[:200])
         self._outgoing = []
 
@@ -364,16 +373,23 @@ class PSClient:
         header = Header(kind=kind, seq=seq, src=self.rt.rank, schema=self.schema, version=version,
                         min_version=min_version, num_samples=num_samples, flags=flags,
                         n_ints=0 if ints is None else ints.numel(), n_floats=0 if floats is None else floats.numel())
+        t0 = time.time()
         try:
             self._outgoing.append((server, seq, send_message(header, ints, floats, self.rt.link(server))))
             self.rt.ring(server)  # after the isends: the server will only recv data already on its way
         except RuntimeError as exc:
             self._broken = exc
-            raise PSConnectionError(f"rank {self.rt.rank}: sending a {kind.name} to server rank {server} failed: {exc}") from exc
+            if isinstance(exc, PSConnectionError):
+                raise
+            raise self.rt.server_lost(server, "is dead or unreachable: sending to it failed",
+                                      f"its {kind.name.lower()} #{seq} to be sent", t0, cause=exc,
+                                      publish=not self._closed) from exc
         self._seq[server] = seq + 1
         self.bytes_sent += 8 * (HEADER_LEN + header.n_ints) + 4 * header.n_floats
         if kind is Kind.PULL:
             self._awaiting.add((server, seq))
+            what = "validating pull" if flags & FLAG_VALIDATE else "pull"
+            self._sent_at[(server, seq)] = (f"the reply to its {what} #{seq}", t0)
         return seq
 
     def _await_replies(self, seqs: Mapping[int, int]) -> dict[int, tuple[Header, Tensor, Tensor]]:
@@ -383,21 +399,29 @@ class PSClient:
         try:
             while not wanted <= self._stash.keys():
                 remaining = deadline - time.monotonic()
-                missing = sorted(s for s, q in wanted if (s, q) not in self._stash)
+                missing = sorted((s, q) for s, q in wanted if (s, q) not in self._stash)
                 if remaining <= 0:
-                    raise PSConnectionError(
-                        f"rank {self.rt.rank}: no reply from server ranks {missing} within timeout_s={self.rt.timeout_s}"
-                    )
+                    s, q = missing[0]
+                    raise self._lost(s, q, late(self.rt.timeout_s))
                 bell = self.rt.wait_doorbell(min(remaining, self.rt.heartbeat_s))
                 if bell is None:
-                    lost = self._liveness.poll() & set(missing)
+                    lost = self._liveness.poll() & {s for s, _ in missing}
                     if lost:
-                        raise PSConnectionError(f"rank {self.rt.rank}: server ranks {sorted(lost)} stopped heartbeating")
+                        s = min(lost)
+                        raise self._lost(s, min(q for m, q in missing if m == s), self._liveness.silence(s))
                     continue
                 src = bell.src
                 if bell.join or not any(s == src for s, _ in self._awaiting):
                     raise ProtocolError(f"rank {self.rt.rank}: unexpected doorbell {bell}")
-                header, ints, floats = recv_message(self.rt.link(src), src)
+                # the data is on its way: its recv ends by the wait's deadline (at least a heartbeat from now)
+                until = max(deadline, time.monotonic() + self.rt.heartbeat_s)
+                try:
+                    header, ints, floats = recv_message(dataclasses.replace(self.rt.link(src), deadline=until), src)
+                except RuntimeError as exc:  # gloo: the connection broke, or timed out (a server frozen mid-send)
+                    if isinstance(exc, ProtocolError):
+                        raise
+                    pending = [q for s, q in sorted(self._awaiting) if s == src]
+                    raise self._lost(src, pending[0], self._recv_failure(src), exc) from exc
                 key = (src, header.seq)
                 if header.kind is not Kind.REPLY or key not in self._awaiting:
                     raise ProtocolError(f"rank {self.rt.rank}: expected a reply to one of the requests "
@@ -405,6 +429,7 @@ class PSClient:
                                         f"{header.kind.name} #{header.seq}")
                 self.bytes_received += 8 * (HEADER_LEN + header.n_ints) + 4 * header.n_floats
                 self._reaped(src, header.seq)
+                self._sent_at.pop(key, None)
                 if key in self._abandoned:
                     self._abandoned.discard(key)
                     self._awaiting.discard(key)
@@ -429,6 +454,17 @@ class PSClient:
                 "pull without min_version to train asynchronously"
             )
         return replies
+
+    def _recv_failure(self, server: int) -> str:
+        """What a failed recv from ``server`` says about it: frozen when its heartbeat stopped, else dead or stuck."""
+        if server in self._liveness.poll():
+            return self._liveness.silence(server) + ", and its reply stopped mid-transfer"
+        return "is dead or stuck: receiving its reply failed"
+
+    def _lost(self, server: int, seq: int, state: str, cause: BaseException | None = None) -> ServerLostError:
+        """The :class:`ServerLostError` for ``server`` while this worker waits for the reply to request ``seq``."""
+        what, since = self._sent_at.get((server, seq), (f"the reply to its request #{seq}", time.time()))
+        return self.rt.server_lost(server, state, what, since, cause=cause, publish=not self._closed)
 
     def _reaped(self, server: int, seq: int) -> None:
         """``server`` answered request ``seq``, so it has read every earlier send of ours: confirm those sends."""

@@ -8,17 +8,27 @@ rest are workers. :func:`init_runtime` (called by every rank, right after
   never interleaves with DeepSpeed collectives;
 * ``worker_group``: the workers only (default backend), DeepSpeed's data-parallel group
   in sync mode (``None`` on server ranks);
-* a TCPStore control plane hosted by the **first server rank** on a port the OS picks
-  (published through the default store). Not the default store: its master lives in
-  rank 0, a worker, and a worker must be able to die without taking the control plane
-  with it; a separate client connection also gets its own timeouts without touching
-  the ones c10d and DeepSpeed rely on.
+* a TCPStore control plane in a small process of its own (``store_host.py``) that the
+  **first server rank** starts on a port the OS picks (published through the default
+  store). Not the default store: its master lives in rank 0, a worker, and a worker must
+  be able to die without taking the control plane with it; and not inside the server
+  either: a frozen (``kill -STOP``) host would freeze every store operation of every rank,
+  timeouts included. A separate client connection also gets its own timeouts without
+  touching the ones c10d and DeepSpeed rely on.
 
 The store carries (keys and encodings: ``gba_engine.protocol``) the doorbells (one queue
 per rank: a sender pushes a ``DoorbellMessage`` after posting its gloo sends, the receiver
 pops with a deadline and only then posts the gloo recv), heartbeats (a counter per rank, bumped by a daemon thread; observers time the
 changes on their own clock, so hosts need no synchronised clocks), published versions
-and the close handshake.
+the close handshake and the job's ``abort`` record.
+
+A lost parameter server (dead, frozen, or not answering within ``timeout_s``) ends the job:
+the first rank to find it raises :class:`ServerLostError` naming the server, what it waited
+for and since when, and publishes the reason (:meth:`PSRuntime.server_lost`); every other
+rank's wait loops (all poll a :class:`Liveness`) raise the same reason within a heartbeat.
+A replacement server is not supported: the servers hold the only current copy of the dense
+state and the rows in a gba phase, so the recovery is a restart from the last server
+checkpoint (``--resume``), which loses the updates since that checkpoint.
 
 A worker process that died can be replaced while the job runs (:func:`join_runtime`):
 gloo membership is fixed when a group is built, so the new process (incarnation k + 1 of
@@ -47,24 +57,53 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from ..config import GBAConfig
+from ..config import HEARTBEAT_LEASE, GBAConfig
 from .link import DelayedDoorbells, LinkModel
-from ..protocol import (FLAG, DoorbellMessage, LayoutRecord, StoreAddress, closed_key, heartbeat_key, inbox_key,
-                        incarnation_key, joinable_key, layout_key, pair_prefix, store_address_key)
+from ..protocol import (FLAG, AbortRecord, DoorbellMessage, LayoutRecord, StoreAddress, abort_key, closed_key,
+                        heartbeat_key, inbox_key, incarnation_key, joinable_key, layout_key, pair_prefix,
+                        store_address_key)
+
+if TYPE_CHECKING:
+    from .store_host import StoreHost
 
 logger = logging.getLogger(__name__)
 
 _GENERATION = itertools.count()  # every rank creates runtimes in the same order: a shared key suffix
-HEARTBEAT_LEASE = 5  # a rank whose heartbeat did not move for this many periods is presumed lost
+NO_REPLACEMENT = ("a replacement server is not supported (in a gba phase the servers hold the only current copy of "
+                  "the dense state and the rows): restart the job from the last server checkpoint with --resume; "
+                  "the updates since that checkpoint are lost")
 
 
 class PSConnectionError(RuntimeError):
     """A peer of the parameter-server protocol died or stopped answering within its deadline."""
+
+
+class ServerLostError(PSConnectionError):
+    """A parameter server died, froze or did not answer within ``timeout_s``: the job stops.
+
+    ``server`` is the server's rank, ``index`` its server index, ``by`` the rank that found it
+    (another rank than the one raising when it learnt it from the job's ``abort`` record).
+    A gloo error that revealed the loss is the ``__cause__``.
+
+    Example::
+
+        try:
+            client.pull()
+        except ServerLostError as exc:
+            exc.server, exc.index, exc.by        # 3, 0, 1
+    """
+
+    def __init__(self, message: str, server: int, index: int, by: int) -> None:
+        super().__init__(message)
+        self.server, self.index, self.by = server, index, by
+
+    def __reduce__(self):  # picklable with its fields (multiprocessing reports it)
+        return (type(self), (str(self), self.server, self.index, self.by))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +166,11 @@ def layout(world_size: int, num_servers: int) -> Layout:
     return Layout(world_size=world_size, num_servers=num_servers)
 
 
+def late(timeout_s: float) -> str:
+    """What a server that heartbeats but did not answer in time looks like, for a :meth:`PSRuntime.server_lost` state."""
+    return f"is alive (its heartbeat moves) but did not answer within timeout_s={timeout_s:g}s (slow or stuck)"
+
+
 def _reachable_host(master_addr: str) -> str:
     """The address of this host that peers reaching ``master_addr`` can reach too."""
     try:
@@ -148,6 +192,7 @@ class Link:
     peer: int  # the peer's rank inside ``group``
     incarnation: int = 0  # the worker's restart count this link belongs to
     meter: Callable[[int], None] | None = dataclasses.field(default=None, compare=False)  # bytes sent, for a LinkModel
+    deadline: float | None = dataclasses.field(default=None, compare=False)  # time.monotonic() a recv must end by
 
     def send(self, tensor) -> "dist.Work":
         """Post an isend of ``tensor`` to the peer."""
@@ -156,8 +201,16 @@ class Link:
         return self.group.send([tensor], self.peer, 0)
 
     def recv(self, tensor) -> None:
-        """Receive ``tensor`` from the peer (only after its doorbell: the data is on its way)."""
-        self.group.recv([tensor], self.peer, 0).wait()
+        """Receive ``tensor`` from the peer (only after its doorbell: the data is on its way).
+
+        Bounded by the group's timeout, or by ``deadline`` when set (a peer that froze mid-send
+        must not hold the receiver past its wait's deadline).
+        """
+        work = self.group.recv([tensor], self.peer, 0)
+        if self.deadline is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 0.001)))
 
 
 def _pair_group(store: TCPStore, host: str, worker: int, server: int, incarnation: int, is_worker: bool,
@@ -213,8 +266,22 @@ class Liveness:
         """Seconds without a heartbeat after which a rank is presumed lost."""
         return HEARTBEAT_LEASE * self._rt.heartbeat_s
 
+    def silent_s(self, rank: int) -> float:
+        """Seconds since ``rank``'s heartbeat last moved (as of the last :meth:`poll`)."""
+        return time.monotonic() - self._seen[rank][1]
+
+    def silence(self, rank: int) -> str:
+        """What a lost ``rank`` looks like, for a :meth:`PSRuntime.server_lost` state."""
+        return (f"stopped heartbeating (dead, frozen or cut off): its heartbeat has not moved for "
+                f"{self.silent_s(rank):.1f}s, past the lease of {self.lease_s:g}s")
+
     def poll(self) -> set[int]:
-        """Read every tracked heartbeat once; return the ranks presumed lost."""
+        """Read every tracked heartbeat once; return the ranks presumed lost.
+
+        Raises :class:`ServerLostError` once the job is aborted (a server was found lost by
+        any rank): every wait loop polls one, so none outlives the abort by more than its poll.
+        """
+        self._rt.check_abort()
         now = time.monotonic()
         lost = set()
         for rank, (last, since) in self._seen.items():
@@ -246,6 +313,8 @@ class PSRuntime:
     link_model: LinkModel | None = None  # a modelled slow link to/from the servers (link.py); None: as fast as gloo
     _doorbells: DelayedDoorbells | None = None
     _unrung: dict = dataclasses.field(default_factory=dict)  # peer -> bytes sent since its last doorbell
+    store_process: "StoreHost | None" = None  # on the first server: the control-plane store's own process
+    _abort: AbortRecord | None = None  # the job's abort record once seen
 
     def __post_init__(self) -> None:
         if self.link_model is not None and self.link_model.enabled and self._doorbells is None:
@@ -255,6 +324,51 @@ class PSRuntime:
     def is_server(self) -> bool:
         """True on parameter-server ranks."""
         return self.layout.role(self.rank) == "server"
+
+    def check_abort(self) -> None:
+        """Raise :class:`ServerLostError` with the job's reason if any rank found a server lost (one store read)."""
+        if self._abort is None:
+            if not self.store.check([abort_key()]):
+                return
+            self._abort = AbortRecord.decode(self.store.get(abort_key()))
+        record = self._abort
+        raise ServerLostError(f"rank {self.rank}: the job stops because rank {record.by} found a parameter server "
+                              f"lost: {record.reason}", server=record.server,
+                              index=self.layout.server_index(record.server), by=record.by)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the job is aborted (a server was found lost); reads the store until it is."""
+        try:
+            self.check_abort()
+        except ServerLostError:
+            return True
+        return False
+
+    def server_lost(self, server: int, state: str, waiting_for: str, since: float,
+                    cause: BaseException | None = None, publish: bool = True) -> ServerLostError:
+        """The error for a lost ``server`` (published as the job's abort reason unless ``publish`` is False).
+
+        ``state``: what was seen (:meth:`Liveness.silence`, :func:`late`); ``waiting_for``: what this rank
+        waited for; ``since``: ``time.time()`` when it started waiting. ``cause``: the gloo error, if any.
+
+        Example::
+
+            raise rt.server_lost(3, "is dead (its connection broke)", "the reply to pull #7", t0, cause=exc)
+        """
+        index = self.layout.server_index(server)
+        waited = max(time.time() - since, 0.0)
+        stamp = time.strftime("%H:%M:%S", time.localtime(since)) + f".{int(since % 1 * 1000):03d}"
+        detail = f" ({str(cause).strip().splitlines()[0][:160]})" if cause is not None and str(cause).strip() else ""
+        reason = (f"parameter server rank {server} (server index {index}) {state}{detail}, while rank {self.rank} "
+                  f"waited for {waiting_for} since {stamp} ({waited:.1f}s); {NO_REPLACEMENT}")
+        if publish:
+            try:
+                self.store.compare_set(abort_key(), "", AbortRecord(self.rank, server, reason).encode())
+            except Exception as exc:  # the store host is gone too: this rank's own error still says why
+                logger.warning("rank %d could not publish the job's abort: %s", self.rank, exc)
+        logger.error("%s", reason)
+        return ServerLostError(f"rank {self.rank}: {reason}", server=server, index=index, by=self.rank)
 
     def link(self, peer: int) -> Link:
         """How to reach ``peer``: the launch's ``ps_group``, or the pair group of a restarted worker."""
@@ -319,7 +433,7 @@ class PSRuntime:
         self._links[worker] = Link(group, 0, incarnation)
 
     def close(self) -> None:
-        """Stop the heartbeat and say goodbye; the store host waits (bounded) for everyone else first."""
+        """Stop the heartbeat and say goodbye (the store process stays up until every rank closed or is gone)."""
         if self._closed:
             return
         self._closed = True
@@ -331,19 +445,6 @@ class PSRuntime:
             self.store.set(closed_key(self.rank), FLAG)
         except Exception as exc:  # the store host is gone after a finished run: nothing left to tell
             logger.debug("rank %d could not mark itself closed: %s", self.rank, exc)
-            return
-        if self.rank != self.layout.servers[0]:
-            return
-        # The host keeps the store up until every other rank is closed or presumed lost.
-        others = [r for r in range(self.layout.world_size) if r != self.rank]
-        live = Liveness(self, others)
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            pending = [r for r in others if not self.store.check([closed_key(r)])]
-            if not pending or set(pending) <= live.poll():
-                return
-            time.sleep(min(0.05, self.heartbeat_s))
-        logger.warning("PS store host closing with ranks %s still open after %.0fs", pending, self.timeout_s)
 
 
 def _publish_control_plane(store: TCPStore, host: str, port: int, lay: Layout, control_file: str | None) -> None:
@@ -468,10 +569,17 @@ def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkM
         worker_group = None
     default_store = dist.distributed_c10d._get_default_store()
     addr_key = store_address_key(next(_GENERATION))
+    process = None
     if rank == lay.servers[0]:
+        from .store_host import StoreHostError, start_store_host  # imported here: the module is also a __main__
+
         host = _reachable_host(control_host)
-        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        port = store.port
+        try:
+            process = start_store_host(host, world, config.timeout_s, config.heartbeat_s)
+        except StoreHostError as exc:
+            raise PSConnectionError(f"rank {rank} (first server): {exc}") from exc
+        port = process.port
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
         _publish_control_plane(store, host, port, lay, config.control_file)
         default_store.set(addr_key, StoreAddress(host, port).encode())
     else:
@@ -482,4 +590,4 @@ def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkM
     logger.info("rank %d is a PS %s; control plane at %s:%d", rank, lay.role(rank), host, port)
     return PSRuntime(rank=rank, layout=lay, ps_group=ps_group, worker_group=worker_group, store=store,
                      store_host=host, store_port=port, timeout_s=config.timeout_s,
-                     heartbeat_s=config.heartbeat_s, _heartbeat=heartbeat, link_model=link)
+                     heartbeat_s=config.heartbeat_s, _heartbeat=heartbeat, link_model=link, store_process=process)

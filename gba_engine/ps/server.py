@@ -47,7 +47,7 @@ from ..decay import StalenessDecay
 from ..protocol import decode_float, encode_float, encode_int, norm_key, version_key
 from ..tokens import GlobalBatchBuffer, TokenControl
 from .optim import OptimizerSpec, RowOptimizer
-from .runtime import Liveness, PSConnectionError, PSRuntime
+from .runtime import Liveness, PSConnectionError, PSRuntime, late
 from .schedule import ServerLRSchedule
 from .sharding import DenseSharding, ServerTableSpec, local_index
 from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_PREFETCH, FLAG_STALLED, FLAG_VALIDATE, Header, Kind, Outgoing,
@@ -57,11 +57,31 @@ from .wire import (FLAG_DENSE, FLAG_FINISHED, FLAG_PREFETCH, FLAG_STALLED, FLAG_
 logger = logging.getLogger(__name__)
 
 
-class _Peer(enum.Enum):
+class PeerState(enum.Enum):
+    """What the server knows of one worker process."""
+
     ACTIVE = "active"
     SILENT = "silent"  # heartbeat lapsed; comes back to ACTIVE if it talks again
     BYE = "bye"
-    DEAD = "dead"  # its gloo pair broke: it can never talk to this server again
+    DEAD = "dead"  # its gloo pair broke: this process can never talk again (a restarted one may join)
+
+
+def serve_is_over(peers: Sequence[PeerState], finished: bool, idle_s: float, timeout_s: float) -> bool:
+    """Whether a serve loop may end: no worker is active and none can come back within ``timeout_s``.
+
+    ``idle_s``: seconds since a worker was last active. A silent worker may only be slow and a dead
+    one may be replaced by a restarted process (rejoin), so either keeps the serve open for
+    ``timeout_s``, also when every worker died at once. Once the phase is finished only a silent
+    worker is waited for: it may still be inside the phase, and a pull of it that reached the
+    next phase would fail there.
+
+        serve_is_over([PeerState.DEAD, PeerState.DEAD], finished=False, idle_s=2.0, timeout_s=15.0)   # False
+    """
+    states = set(peers)
+    if PeerState.ACTIVE in states:
+        return False
+    waiting_for = {PeerState.SILENT} if finished else {PeerState.SILENT, PeerState.DEAD}
+    return not (states & waiting_for and idle_s < timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +198,7 @@ class ParameterServer:
         m = len(self.workers) if grads_per_update is None else grads_per_update
         self.control = TokenControl(m, StalenessDecay.from_config(config.staleness))
         self._buffer = GlobalBatchBuffer(end - start, {s.name: s.dim for s in self.specs})
-        self._peers = {w: _Peer.ACTIVE for w in self.workers}
+        self._peers = {w: PeerState.ACTIVE for w in self.workers}
         self._silent_since: dict[int, float] = {}
         self._next_seq = {w: 0 for w in self.workers}
         self._outgoing: dict[int, list[Outgoing]] = {w: [] for w in self.workers}
@@ -203,7 +223,7 @@ class ParameterServer:
     @property
     def lost_workers(self) -> list[int]:
         """Workers presumed lost now: dead (their link broke) or silent (heartbeat stopped), and not rejoined."""
-        return sorted(w for w, p in self._peers.items() if p in (_Peer.DEAD, _Peer.SILENT))
+        return sorted(w for w, p in self._peers.items() if p in (PeerState.DEAD, PeerState.SILENT))
 
     @property
     def rejoined(self) -> list[int]:
@@ -312,8 +332,8 @@ class ParameterServer:
         start, end = self.dense_range
         self._buffer = GlobalBatchBuffer(end - start if dense else 0, {s.name: s.dim for s in self.specs})
         for w, peer in self._peers.items():
-            if peer is not _Peer.DEAD:
-                self._peers[w], self._next_seq[w] = _Peer.ACTIVE, 0
+            if peer is not PeerState.DEAD:
+                self._peers[w], self._next_seq[w] = PeerState.ACTIVE, 0
         self._silent_since.clear()
         self._deferred, self._pushes, self._drained, self._stalls = [], collections.Counter(), 0, 0
         self._rejoined = []
@@ -324,8 +344,8 @@ class ParameterServer:
     def serve(self, until_version: int | None = None, max_seconds: float | None = None) -> ServeStats:
         """Serve until ``until_version`` updates are applied, then until every live worker said goodbye.
 
-        With ``until_version=None`` it serves until no worker is left (all said goodbye, died,
-        or stayed silent for ``timeout_s``). Raises PSConnectionError when no live worker is left before ``until_version``
+        With ``until_version=None`` it serves until no worker is left (all said goodbye, or died or
+        stayed silent and no replacement joined for ``timeout_s``). Raises PSConnectionError when no live worker is left before ``until_version``
         (silent ones get ``timeout_s`` to come back), TimeoutError after ``max_seconds``.
         Every wait is bounded by ``heartbeat_s``.
         """
@@ -349,7 +369,7 @@ class ParameterServer:
                 self._check_stall()
                 if self._on_tick is not None:
                     self._on_tick(self)
-            if any(p is _Peer.ACTIVE for p in self._peers.values()):
+            if any(p is PeerState.ACTIVE for p in self._peers.values()):
                 last_active = now
         self._flush_outgoing()
         stats = ServeStats(
@@ -363,15 +383,10 @@ class ParameterServer:
         return stats
 
     def _should_stop(self, until_version: int | None, idle_s: float) -> bool:
-        states = set(self._peers.values())
-        if _Peer.ACTIVE in states:
+        if not serve_is_over(list(self._peers.values()), self._finished, idle_s, self.rt.timeout_s):
             return False
-        if self._finished:
-            return True  # final parameters are served; silent workers are presumed lost, not waited for
-        if _Peer.SILENT in states and idle_s < self.rt.timeout_s:
-            return False  # a silent worker may only be slow: give it timeout_s to come back
-        if until_version is None:
-            return True  # every worker said goodbye, died, or stayed silent past timeout_s: an open-ended serve is over
+        if self._finished or until_version is None:
+            return True  # an open-ended serve is over: every worker said goodbye or is lost past timeout_s
         raise PSConnectionError(
             f"PS {self.index}: no live worker at version {self.version} (until_version={until_version}); "
             f"peers: { {w: p.value for w, p in self._peers.items()} }"
@@ -380,7 +395,7 @@ class ParameterServer:
     def _handle(self, src: int, until_version: int | None) -> None:
         if src not in self._peers:
             raise ProtocolError(f"PS {self.index}: doorbell from rank {src}, which is not a worker")
-        if self._peers[src] is _Peer.DEAD:
+        if self._peers[src] is PeerState.DEAD:
             logger.warning("PS %d: ignoring a doorbell from dead worker %d", self.index, src)
             return
         try:
@@ -391,13 +406,13 @@ class ParameterServer:
                 raise
             self._mark_dead(src, exc)
             return
-        if self._peers[src] is _Peer.SILENT:
+        if self._peers[src] is PeerState.SILENT:
             logger.info("PS %d: worker %d is back", self.index, src)
             self._silent_since.pop(src, None)
-        if self._peers[src] is _Peer.BYE and header.seq == 0:
+        if self._peers[src] is PeerState.BYE and header.seq == 0:
             logger.info("PS %d: worker %d is back with a new client", self.index, src)
             self._next_seq[src] = 0
-        self._peers[src] = _Peer.ACTIVE
+        self._peers[src] = PeerState.ACTIVE
         if header.seq != self._next_seq[src]:
             raise ProtocolError(f"PS {self.index}: worker {src} sent seq {header.seq}, expected {self._next_seq[src]}")
         self._next_seq[src] += 1
@@ -413,7 +428,7 @@ class ParameterServer:
         elif header.kind is Kind.PUT:
             self._on_put(header, ints, floats)
         elif header.kind is Kind.BYE:
-            self._peers[src] = _Peer.BYE
+            self._peers[src] = PeerState.BYE
             waiting = [p for p in self._deferred if p.src == src]
             self._deferred = [p for p in self._deferred if p.src != src]
             for pull in waiting:  # every request gets one reply (a leaving worker reads them all, then goes)
@@ -530,12 +545,21 @@ class ParameterServer:
         if self.num_servers > 1:  # the norm is over the whole vector: add every shard's share for this update
             keys = [norm_key(self._phase_id, self.version, s) for s in range(self.num_servers)]
             self.rt.store.set(keys[self.index], encode_float(sumsq))
-            deadline = time.monotonic() + self.rt.timeout_s
+            since, deadline = time.time(), time.monotonic() + self.rt.timeout_s
+            servers = self.rt.layout.servers
+            live, next_poll = Liveness(self.rt, [r for r in servers if r != self.rt.rank]), time.monotonic()
+            what = f"the other servers' gradient norms of update {self.version} (gradient_clipping)"
             while not self.rt.store.check(keys):
-                if time.monotonic() > deadline:
-                    missing = [s for s in range(self.num_servers) if not self.rt.store.check([keys[s]])]
-                    raise TimeoutError(f"PS {self.index}: servers {missing} did not report their gradient norm for "
-                                       f"update {self.version} within {self.rt.timeout_s:.0f}s (gradient_clipping)")
+                now = time.monotonic()
+                if now >= next_poll or now > deadline:  # a frozen peer server is told from a slow one by its heartbeat
+                    next_poll = now + self.rt.heartbeat_s
+                    missing = [servers[s] for s in range(self.num_servers) if not self.rt.store.check([keys[s]])]
+                    lost = live.poll() & set(missing)
+                    if lost:
+                        r = min(lost)
+                        raise self.rt.server_lost(r, live.silence(r), what, since)
+                    if now > deadline and missing:
+                        raise self.rt.server_lost(missing[0], late(self.rt.timeout_s), what, since)
                 time.sleep(0.002)
             sumsq = sum(decode_float(self.rt.store.get(k)) for k in keys)
         coef = self.clip_norm / (math.sqrt(sumsq) + 1e-6)
@@ -558,7 +582,7 @@ class ParameterServer:
             self._reply(pull)
 
     def _reply(self, pull: _PendingPull, extra_flags: int = 0) -> None:
-        if self._peers.get(pull.src) is _Peer.DEAD:
+        if self._peers.get(pull.src) is PeerState.DEAD:
             return
         ints, blocks = self._reply_rows(pull)
         # pack_floats concatenates into a new tensor: later updates cannot touch data still being sent
@@ -596,7 +620,7 @@ class ParameterServer:
 
     def _flush_outgoing(self) -> None:
         for w, outs in self._outgoing.items():
-            if self._peers[w] is _Peer.BYE:
+            if self._peers[w] is PeerState.BYE:
                 try:
                     for out in outs:
                         out.wait()
@@ -616,7 +640,7 @@ class ParameterServer:
             logger.warning("PS %d: worker %d (incarnation %d) could not join: %s", self.index, worker, incarnation,
                            str(exc).splitlines()[0][:200])
             return
-        self._peers[worker], self._next_seq[worker], self._outgoing[worker] = _Peer.ACTIVE, 0, []
+        self._peers[worker], self._next_seq[worker], self._outgoing[worker] = PeerState.ACTIVE, 0, []
         self._silent_since.pop(worker, None)
         self._deferred = [p for p in self._deferred if p.src != worker]  # pulls of the dead process
         self._rejoined.append(worker)
@@ -628,25 +652,25 @@ class ParameterServer:
     def _mark_dead(self, worker: int, exc: BaseException) -> None:
         logger.warning("PS %d: worker %d is gone (%s); continuing with the others at version %d",
                        self.index, worker, str(exc).splitlines()[0][:200], self.version)
-        self._peers[worker] = _Peer.DEAD
+        self._peers[worker] = PeerState.DEAD
         self._outgoing[worker] = []
         self._deferred = [p for p in self._deferred if p.src != worker]
 
     def _check_liveness(self, live: Liveness) -> None:
         for w in live.poll():
-            if self._peers[w] is _Peer.ACTIVE:
+            if self._peers[w] is PeerState.ACTIVE:
                 logger.warning("PS %d: worker %d missed heartbeats for %.1fs; presumed lost", self.index, w,
                                live.lease_s)
-                self._peers[w] = _Peer.SILENT  # its deferred pulls stay: it may come back for them
+                self._peers[w] = PeerState.SILENT  # its deferred pulls stay: it may come back for them
                 self._silent_since[w] = time.monotonic()
 
     def _check_stall(self) -> None:
         # every live worker waits for a newer version, so no push can come: tell them instead of hanging
-        active = {w for w, p in self._peers.items() if p is _Peer.ACTIVE}
+        active = {w for w, p in self._peers.items() if p is PeerState.ACTIVE}
         waiting = {p.src for p in self._deferred if not p.prefetch}  # a prefetch is answered once the push comes
         now = time.monotonic()
         # a worker silent for less than timeout_s may only be slow and could still push: not a stall yet
-        maybe_back = any(self._peers[w] is _Peer.SILENT and now - t < self.rt.timeout_s
+        maybe_back = any(self._peers[w] is PeerState.SILENT and now - t < self.rt.timeout_s
                          for w, t in self._silent_since.items())
         if self._deferred and not self._finished and active and active <= waiting and not maybe_back:
             self._stalls += 1

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..args import RoutingOptions, routing_options_of
 from ..layer import MoE
 from .config import DEFAULT_VOCAB, END_OF_DOCUMENT, MoEModelConfig
 
@@ -37,7 +38,7 @@ ROTARY_BASE = 10000.0
 
 
 @dataclass(frozen=True)
-class MoETransformerArgs:
+class MoETransformerArgs(RoutingOptions):
     """Every argument of :class:`MoETransformerLM`.
 
     Shape: ``num_layers``, ``d_model``, ``num_heads``, ``ffn_hidden_size`` (dense FFN),
@@ -45,7 +46,10 @@ class MoETransformerArgs:
     end-of-document), ``max_seq_len``, ``positions`` (``"learned"`` or ``"rotary"``),
     ``activation``. MoE (as in the ``moe_proto`` block): ``num_experts`` (0: dense model),
     ``num_prototypes``, ``top_k`` (per prototype), ``moe_every``, capacity settings,
-    ``dropless``, ``drop_policy``, ``ep_size``, ``aux_loss_coef``, ``z_loss_coef``.
+    ``dropless``, ``drop_policy``, ``ep_size``, ``aux_loss_coef``, ``z_loss_coef`` and the routing
+    options ``expert_bias_update_rate``, ``score_function``, ``normalize_routes``, ``aux_loss_scope``,
+    ``num_shared_experts``, ``shared_expert_ffn_hidden_size`` (docs/moe.md, "Routing options");
+    ``zero_stage`` (3: build the layers for DeepSpeed's ZeRO stage 3, docs/moe.md "ZeRO-3").
 
     Example::
 
@@ -75,6 +79,7 @@ class MoETransformerArgs:
     ep_size: int = 1
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    zero_stage: Optional[int] = None  # 3: the MoE layers are ZeRO3MoE, the class DeepSpeed's ZeRO-3 accepts
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
@@ -116,7 +121,7 @@ class MoETransformerArgs:
                       moe_every=moe.moe_every, capacity_factor=moe.capacity_factor,
                       eval_capacity_factor=moe.eval_capacity_factor, min_capacity=moe.min_capacity,
                       dropless=moe.dropless, drop_policy=moe.drop_policy, ep_size=moe.ep_size,
-                      aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef)
+                      aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, **routing_options_of(moe))
         kw.update(overrides)
         return cls(**kw)
 
@@ -203,7 +208,8 @@ class Block(nn.Module):
                                       top2_2nd_expert_sampling=False, num_prototypes=args.num_prototypes,
                                       dropless=args.dropless, drop_policy=None if args.dropless else args.drop_policy,
                                       z_loss_coef=args.z_loss_coef, activation=args.activation,
-                                      ffn_hidden_size=args.expert_ffn)
+                                      ffn_hidden_size=args.expert_ffn, zero_stage=args.zero_stage,
+                                      **routing_options_of(args))
         else:
             self.ffn = DenseFFN(args.d_model, args.ffn_hidden_size, args.activation)
 

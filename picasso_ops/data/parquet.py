@@ -1,7 +1,7 @@
 """Reader of Criteo-like parquet files into `CTRBatch`es, sharded by rank.
 
 Columns (names configurable): ``label`` (0/1; integer, float or bool), ``I1..I13``
-(integers or floats; null/NaN = missing; decimal strings are parsed too) and
+(integers or floats; null/NaN = missing, +-inf = a bad row as in a TSV file; decimal strings are parsed too) and
 ``C1..C26`` (hex strings as in the TSV files, or integers; null or "" = missing).
 The values go through the same transforms and hash as `CriteoTSVReader`, so a
 parquet copy of a TSV file gives identical batches.
@@ -16,7 +16,7 @@ Sharding (``shard_by``):
 
 Memory is bounded by one row group's decoded columns (read with ``iter_batches``,
 ``read_rows`` rows at a time, single-threaded so the loader leaves the cores to
-training). Bad rows (label not 0/1 or null, a bad decimal string, a bad hex string)
+training). Bad rows (label not 0/1 or null, an infinite I value, a bad decimal string, a bad hex string)
 are skipped, counted and reported as "row N (0-based)" of their file, with the same
 `DataError` limit as the TSV reader::
 
@@ -210,7 +210,9 @@ class ParquetCTRReader(ShardedRowReader):
                 ints[:, j] = np.where(present, values, 0)
                 int_ok[:, j] = ok
             else:
-                ints[:, j] = np.nan_to_num(_numeric(arr), nan=0.0)
+                values = _numeric(arr)
+                int_ok[:, j] = ~np.isinf(values)  # +-inf is a bad row, as "inf" is in a TSV file (not 709.8 = log1p(max))
+                ints[:, j] = np.where(np.isnan(values) | ~int_ok[:, j], 0.0, values)  # null/NaN: missing
         raw = np.zeros((n, len(self.cat_columns)), np.uint64)
         present = np.zeros((n, len(self.cat_columns)), bool)
         cat_ok = np.ones((n, len(self.cat_columns)), bool)
@@ -244,7 +246,10 @@ class ParquetCTRReader(ShardedRowReader):
             if not label_ok[i]:
                 reason = f"{self.label_column} must be 0 or 1"
             elif not int_ok[i].all():
-                reason = f"column {self.int_columns[int(np.argmin(int_ok[i]))]} is not an integer"
+                name = self.int_columns[int(np.argmin(int_ok[i]))]
+                value = rb.column(name)[int(i)].as_py()
+                reason = f"column {name} is not finite ({value})" if isinstance(value, float) else \
+                    f"column {name} is not an integer"
             else:
                 reason = f"column {self.cat_columns[int(np.argmin(cat_ok[i]))]} is not a hex value of 1-16 digits"
             text = "\t".join("" if v is None else str(v) for v in rb.slice(int(i), 1).to_pylist()[0].values())

@@ -52,6 +52,10 @@ class RowRangeReader:
         Raises IndexError outside ``[0, num_rows]``, ValueError for a range before the last one,
         DataError when every row of the range is bad (or a file has too many bad rows).
         """
+        return self.block(start, end).to_batch()
+
+    def block(self, start: int, end: int) -> RowBlock:
+        """The good rows among ``[start, end)`` as parsed (``row_index``: global row numbers); as :meth:`rows`."""
         if not 0 <= start < end <= self.num_rows:
             raise IndexError(f"row range [{start}, {end}) outside the files' {self.num_rows} rows")
         if start < self._pos:
@@ -74,4 +78,4 @@ class RowRangeReader:
         self._pos = end
         if not pieces:
             raise DataError(f"rows [{start}, {end}) hold no good row")
-        return RowBlock.concat(pieces).to_batch()
+        return RowBlock.concat(pieces)

@@ -23,6 +23,7 @@ from .parsing import CategoricalHasher
 from .quality import BadRowTracker, DataError
 
 logger = logging.getLogger(__name__)
+GZIP_MAGIC = b"\x1f\x8b"  # the first two bytes of every gzip member (RFC 1952)
 
 __all__ = ["RowBlock", "RowBatcher", "ShardedRowReader", "owned_rows", "check_readable"]
 
@@ -129,9 +130,13 @@ def check_readable(paths: str | os.PathLike | Sequence[str | os.PathLike], kind:
             raise DataError(f"{kind} path is not a regular file: {path}")
         try:
             with open(path, "rb") as f:
-                f.read(1)
+                head = f.read(2)
         except OSError as exc:
             raise DataError(f"{kind} file cannot be read: {path}: {exc}") from exc
+        if not head:  # a 0-byte file would end the data before step 1
+            raise DataError(f"{kind} file is empty (0 bytes): {path}")
+        if head == GZIP_MAGIC:  # otherwise every row reads as bad, without saying why
+            raise DataError(f"{kind} file is gzip-compressed: {path}; decompress it first (gunzip -k {path})")
         resolved.append(path)
     return resolved
 

@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from picasso_ops import ops as custom_ops
+from picasso_ops.embedding.bounds import BoundsCheck, check_finite_weights
 from picasso_ops.embedding.packing import PackGroup, TablePlacement, plan_packing
 from picasso_ops.embedding.sparse_optim import RowUpdate, SparseOptimizer, create_optimizer
 from picasso_ops.embedding.spec import TableSpec
@@ -153,9 +154,11 @@ class _PackKernel(nn.Module):
     # in cache; 2**17 measured best at F=200, B=2048 (2**15..2**18 within 5%, one block 25% slower)
     sort_block: int = 1 << 17
 
-    def __init__(self, group: PackGroup, mode: Mode, device: Optional[torch.device], custom_ops: bool = False) -> None:
+    def __init__(self, group: PackGroup, mode: Mode, device: Optional[torch.device], custom_ops: bool = False,
+                 bounds: Optional[BoundsCheck] = None) -> None:
         super().__init__()
         self.group = group
+        self.bounds = bounds if bounds is not None else BoundsCheck()  # shared by the collection's packs
         self.mode = mode
         self.custom_ops = custom_ops
         self.optimizer: SparseOptimizer = create_optimizer(group.optimizer, dict(group.hyperparams))
@@ -280,12 +283,15 @@ class _PackKernel(nn.Module):
         n = raw.numel()
         if self.group.pooled and self.uniform and self._op_backend() is not None:
             # the op adds each column's row offset itself (no shifted copy of the ids) and checks each id
-            # against its table's size while it reads it (no separate pass over the ids here)
+            # against its table's size while it reads it (no separate pass over the ids here); warn and clamp
+            # replace bad ids first, so the op never sees one
+            if self.bounds.mode != "fatal":
+                raw = self._check_ids(raw, counts)
             return _LookupPlan(
                 indices=raw, offsets=offsets, lengths=lengths, weights=weights, bag_scale=None,
                 batch_size=B, row_offsets=self._c_add, column_rows=self._c_rows,
             )
-        self._check_ids(raw, counts)
+        raw = self._check_ids(raw, counts)
         index_dtype = self.index_dtype if n <= _INT32_MAX and B * C < _INT32_MAX else torch.int64
         add = torch.repeat_interleave(self._c_add, counts, output_size=n)
         if self.uniform:  # narrowing first is safe (ids were checked) and halves the bytes moved
@@ -329,29 +335,51 @@ class _PackKernel(nn.Module):
             seq_ids=tuple(counts.tolist()),
         )
 
-    def _check_ids(self, raw: Tensor, counts: Tensor) -> None:
-        """Raise ``IndexError`` naming the field, id and table size for an id outside its table.
+    def _check_ids(self, raw: Tensor, counts: Tensor) -> Tensor:
+        """``raw``, or with ``bounds_check`` "warn"/"clamp" a copy whose out-of-range ids are replaced (and counted).
 
+        With "fatal" an id outside its table raises ``IndexError`` naming the field, id and table size.
         One ``aminmax`` decides the common case; only when the largest id is at
         least the smallest table's size are the ids compared with their own
         table's size (one more vectorised pass).
         """
         if raw.numel() == 0:
-            return
+            return raw
         lo, hi = (int(v) for v in torch.aminmax(raw))
         if lo >= 0 and hi < self.min_rows:
-            return
+            return raw
         bound = torch.repeat_interleave(self._c_rows, counts, output_size=raw.numel())
         bad = (raw < 0) | (raw >= bound)
         if not bool(bad.any()):
-            return
-        i = int(bad.nonzero()[0, 0])
-        column = int(torch.searchsorted(torch.cumsum(counts, 0), torch.tensor(i, device=counts.device), right=True))
-        name, p = self.features[self.column_owner[column]]
-        raise IndexError(
-            f"field {name!r}: id {int(raw[i])} is out of range for table {p.spec.name!r} "
-            f"of size {p.spec.num_embeddings} (valid ids are 0..{p.spec.num_embeddings - 1})"
-        )
+            return raw
+        if self.bounds.mode == "fatal":
+            i = int(bad.nonzero()[0, 0])
+            column = int(torch.searchsorted(torch.cumsum(counts, 0), torch.tensor(i, device=counts.device), right=True))
+            name, p = self.features[self.column_owner[column]]
+            raise IndexError(
+                f"field {name!r}: id {int(raw[i])} is out of range for table {p.spec.name!r} "
+                f"of size {p.spec.num_embeddings} (valid ids are 0..{p.spec.num_embeddings - 1}; "
+                "picasso.bounds_check 'warn' or 'clamp' replaces such ids instead, counted)"
+            )
+        self._count_bad(raw, counts, bad)
+        return self.bounds.replace(raw, bound, bad)
+
+    def _count_bad(self, raw: Tensor, counts: Tensor, bad: Tensor) -> None:
+        """Count the bad ids per table (once per id: a sub-row table's other columns repeat its ids)."""
+        column_of = torch.repeat_interleave(torch.arange(self.num_columns, device=raw.device), counts,
+                                            output_size=raw.numel())
+        per_column = torch.bincount(column_of[bad], minlength=self.num_columns).tolist()
+        per_table: dict[str, int] = {}
+        example: dict[str, tuple[str, int, int]] = {}
+        for fi, (name, p) in enumerate(self.features):
+            c = self.feature_first_column[fi]
+            if per_column[c]:
+                table = p.spec.name
+                per_table[table] = per_table.get(table, 0) + per_column[c]
+                if table not in example:
+                    first = int((bad & (column_of == c)).nonzero()[0, 0])
+                    example[table] = (name, int(raw[first]), p.spec.num_embeddings)
+        self.bounds.record(per_table, example)
 
     def _check_plan_ids(self, plan: _LookupPlan) -> None:
         """``_check_ids`` for a custom-op plan whose ids the op has not checked (raises ``IndexError``)."""
@@ -359,7 +387,7 @@ class _PackKernel(nn.Module):
             return
         B = plan.batch_size
         counts = plan.offsets[::B].diff() if B > 0 else plan.offsets.new_zeros(self.num_columns)
-        self._check_ids(plan.indices, counts)
+        self._check_ids(plan.indices, counts)  # fatal raises; warn/clamp replaced the ids in prepare already
 
     def _torch_plan(self, plan: _LookupPlan) -> _LookupPlan:
         """A plan with buffer rows as indices (and mean scales), for the torch path, from a custom-op plan."""
@@ -653,6 +681,12 @@ class PackedEmbeddingCollection(nn.Module):
             up to float summation order); other packs, and machines without
             the kernels (one warning), keep the torch path. Default on; False
             pins the pure-torch kernels (bitwise-reproducible references).
+        bounds_check: what a lookup does with an id outside its table
+            (``picasso_ops.embedding.bounds``): ``"fatal"`` (default) raises
+            ``IndexError`` naming the field, the id and the range; ``"warn"``
+            looks it up as row 0 (FBGEMM's WARNING), ``"clamp"`` as the nearest
+            valid row; both count it (:meth:`bounds_check_counts`) and log once
+            per table. Settable later through the ``bounds_check`` attribute.
 
     Attribute ``hugepage_output`` (default: ``custom_ops``): a ``[B, sum D]``
     CPU output of 8 MiB or more comes from ``ops.pooled_empty``: huge-page
@@ -684,8 +718,10 @@ class PackedEmbeddingCollection(nn.Module):
         mode: Mode = "fused",
         device: Optional[Union[torch.device, str]] = None,
         custom_ops: bool = True,
+        bounds_check: str = "fatal",
     ) -> None:
         super().__init__()
+        self._bounds = BoundsCheck(bounds_check)
         if mode not in ("fused", "autograd"):
             raise ValueError(f"mode must be 'fused' or 'autograd', got {mode!r}")
         self.specs: tuple[TableSpec, ...] = tuple(specs)
@@ -702,7 +738,7 @@ class PackedEmbeddingCollection(nn.Module):
         self.groups: tuple[PackGroup, ...] = tuple(
             plan_packing(self.specs, pack=packing, across_dims=across_dims, min_width=min_width)
         )
-        self.kernels = nn.ModuleList([_PackKernel(g, mode, device, custom_ops) for g in self.groups])
+        self.kernels = nn.ModuleList([_PackKernel(g, mode, device, custom_ops, self._bounds) for g in self.groups])
         logger.info(
             "packed %d tables into %d packs (sizes %s), mode=%s",
             len(self.specs), len(self.groups), [len(g.tables) for g in self.groups], mode,
@@ -777,6 +813,25 @@ class PackedEmbeddingCollection(nn.Module):
         return self.kernels[gi].optimizer.lr
 
     @property
+    def bounds_check(self) -> str:
+        """``"fatal"``, ``"warn"`` or ``"clamp"``: what a lookup does with an out-of-range id (see the class doc)."""
+        return self._bounds.mode
+
+    @bounds_check.setter
+    def bounds_check(self, value: str) -> None:
+        self._bounds.mode = value
+
+    def bounds_check_counts(self) -> dict[str, int]:
+        """Out-of-range ids that ``warn`` / ``clamp`` replaced in this process, by table (empty: none).
+
+        Example::
+
+            >>> PackedEmbeddingCollection([TableSpec("a", 10, 4)], bounds_check="warn").bounds_check_counts()
+            {}
+        """
+        return self._bounds.counts()
+
+    @property
     def defer_updates(self) -> bool:
         """When ``True`` (fused mode), backward keeps row gradients and ``step()`` applies their sum."""
         return any(k._defer for k in self.kernels)
@@ -820,10 +875,13 @@ class PackedEmbeddingCollection(nn.Module):
         """Look up every feature of ``batch`` (a ``JaggedBatch`` or torchrec ``KeyedJaggedTensor``).
 
         The batch may carry extra fields; missing ones raise ``KeyError``.
-        Ids outside their table raise ``IndexError`` naming the field.
+        Ids outside their table raise ``IndexError`` naming the field (``bounds_check`` "fatal"), or are
+        replaced and counted ("warn", "clamp"). A NaN/inf per-sample weight raises ``ValueError`` naming its field.
         """
         if not isinstance(batch, JaggedBatch):
             batch = JaggedBatch.from_kjt(batch)
+        if batch.weights is not None:  # before any lookup: a NaN weight would reach the rows and optimizer state
+            check_finite_weights(batch.weights, batch.field_offsets.contiguous(), batch.keys)
         fields = self._batch_fields(batch)
         fused = self.mode == "fused" and torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if fused else None

@@ -3,8 +3,11 @@
 The ops in ``csrc/`` are compiled with ``torch.utils.cpp_extension.load`` on
 first use and registered with ``torch.library`` under ``torch.ops.picasso``.
 The build is cached in ``OpsConfig.extensions_dir`` (default
-``~/.cache/torch_extensions/py<ver>_cpu/picasso_ops_cpu``) and reused while the
-sources and flags are unchanged; ninja rebuilds only what changed. The
+``~/.cache/torch_extensions/py<ver>_cpu/picasso_ops_cpu-<key>``) and reused while the
+sources and flags are unchanged; ninja rebuilds only what changed. The folder's
+``<key>`` (:func:`build_key`) names the ``-march`` and, for ``-march=native``, a hash
+of this CPU's instruction-set flags, so a shared home on a cluster of mixed CPUs never
+loads a build made for another CPU kind (which can die with an illegal instruction). The
 compiler, ``-march`` and the stale-lock age come from the process's
 :class:`~picasso_ops.ops.config.OpsConfig` (:func:`picasso_ops.ops.configure`);
 the builder reads no environment variable itself, except in :func:`main`, the
@@ -58,6 +61,8 @@ __all__ = [
     "SOURCES",
     "StaleLockError",
     "build_directory",
+    "build_key",
+    "cpu_isa_flags",
     "check_lock",
     "lock_staleness",
     "load_ops",
@@ -94,15 +99,61 @@ class StaleLockError(RuntimeError):
         )
 
 
-def build_directory(config: Optional[OpsConfig] = None) -> Path:
-    """Where the extension is built and cached (``config.extensions_dir``; default: the bound config's).
+def cpu_isa_flags(cpuinfo: Optional[str] = None) -> tuple[str, ...]:
+    """The sorted instruction-set flags of this CPU (``cpuinfo``: the text of ``/proc/cpuinfo`` to read instead).
+
+    x86 lists them under ``flags``, ARM under ``Features``; where neither exists the
+    machine and processor names stand in.
 
     Example::
 
-        >>> build_directory().name
-        'picasso_ops_cpu'
-        >>> str(build_directory(OpsConfig(extensions_dir="/tmp/ext")))
-        '/tmp/ext/picasso_ops_cpu'
+        >>> cpu_isa_flags("processor : 0\\nflags : sse2 avx2 fma\\n")
+        ('avx2', 'fma', 'sse2')
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return tuple(sorted(set(value.split())))
+    import platform
+
+    return (platform.machine(), platform.processor())
+
+
+def build_key(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None) -> str:
+    """What the cached build depends on beyond sources: the ``-march`` and, when native, this CPU's ISA.
+
+    Example::
+
+        >>> build_key(OpsConfig(march="x86-64-v2"))
+        'x86-64-v2'
+        >>> build_key(OpsConfig(march="native"), "flags : sse2 avx2\\n")[:7]
+        'native-'
+    """
+    march = (current_config() if config is None else config).march
+    if march != "native":
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in march) or "generic"
+    import hashlib
+
+    digest = hashlib.sha1(" ".join(cpu_isa_flags(cpuinfo)).encode()).hexdigest()[:12]
+    return f"native-{digest}"
+
+
+def build_directory(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None) -> Path:
+    """Where the extension is built and cached (``config.extensions_dir``; default: the bound config's).
+
+    The folder is ``picasso_ops_cpu-<build_key>``: one per ``-march`` and CPU kind.
+
+    Example::
+
+        >>> build_directory(OpsConfig(march="x86-64-v2")).name
+        'picasso_ops_cpu-x86-64-v2'
+        >>> str(build_directory(OpsConfig(extensions_dir="/tmp/ext", march="")))
+        '/tmp/ext/picasso_ops_cpu-generic'
     """
     root = (current_config() if config is None else config).extensions_dir
     if root is None:
@@ -111,7 +162,7 @@ def build_directory(config: Optional[OpsConfig] = None) -> Path:
         cuda = torch.version.cuda
         flavour = f"cu{cuda.replace('.', '')}" if cuda else "cpu"
         root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}")
-    return Path(root) / EXTENSION_NAME
+    return Path(root) / f"{EXTENSION_NAME}-{build_key(config, cpuinfo)}"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -50,6 +50,9 @@ class ConfigError(ValueError):
     """A config file is unreadable or a value in it is invalid; the message says where."""
 
 
+_INTEGER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -68,6 +71,9 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}: config file not found") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # a binary or non-UTF-8 file: say so instead of a decoder traceback
+        raise ConfigError(f"{p}: not a text (UTF-8) config file: byte {e.start} is {e.object[e.start:e.start + 1]!r}"
+                          ) from None
     try:
         if p.suffix == ".json":
             data = json.loads(text, object_pairs_hook=_reject_duplicates)
@@ -165,5 +171,8 @@ def split_config(data: Mapping[str, Any], source: str = "<dict>") -> tuple[dict[
             if near_ds is not None:
                 raise ConfigError(f"{source}: top-level key {key!r} is not a DeepSpeed key; did you mean {near_ds!r}?")
             logger.warning("%s: top-level key %r is neither a DeepSpeed key nor a sparse-scale block", source, key)
+        if key in _INTEGER_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            # DeepSpeed would fail later with a bare TypeError that names neither the file nor the key
+            raise ConfigError(f"{source}: {key} must be a whole number >= 1, got {value!r}")
         ds[key] = value
     return ds, blocks

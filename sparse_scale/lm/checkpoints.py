@@ -6,15 +6,23 @@
 
 Layout: ``<ckpt_dir>/step<N>/moe_proto/...`` (reloads at another ep_size),
 ``<ckpt_dir>/step<N>/progress.json`` and ``<ckpt_dir>/latest`` (the tag, written last).
+Saves are staged and committed with a manifest (``sparse_scale.base.atomic_checkpoint``); a
+resume verifies it and falls back to the newest intact checkpoint with a warning.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from moe_proto.checkpoint import load_checkpoint, save_checkpoint
+from sparse_scale.base import atomic_checkpoint as atomic
+
+logger = logging.getLogger(__name__)
 
 
 class NoCheckpointError(FileNotFoundError):
@@ -38,11 +46,19 @@ def save_job_checkpoint(engine: Any, ckpt_dir: Path, progress: Progress, rank: i
         save_job_checkpoint(engine, Path("out/checkpoints"), progress, rank)   # "out/checkpoints/step100"
     """
     tag = f"step{progress.step}"
-    save_checkpoint(engine, str(ckpt_dir), tag)
-    if rank == 0:
-        (ckpt_dir / tag / "progress.json").write_text(json.dumps(dataclasses.asdict(progress)))
-        (ckpt_dir / "latest").write_text(tag)  # written last: a half-written checkpoint is never "latest"
-    return str(ckpt_dir / tag)
+    last = atomic.agree(lambda: atomic.select(ckpt_dir, repair=False).tag if (ckpt_dir / "latest").is_file() else None)
+    # about as large as the last one; the first: weights, fp32 master copies and Adam's two moments
+    need = atomic.folder_bytes(ckpt_dir / last) if last else sum(
+        p.numel() * p.element_size() * 4 for p in engine.module.parameters())
+    need = need * 6 // 5
+
+    def progress_file(folder: Path) -> None:
+        (folder / "progress.json").write_text(json.dumps(dataclasses.asdict(progress)))
+
+    # staged, then a manifest, fsync and rename; ``latest`` moves last
+    final = atomic.staged_save(ckpt_dir, tag, lambda save_dir: save_checkpoint(engine, str(save_dir), tag), need,
+                               rank=rank, before_commit=progress_file)
+    return str(final)
 
 
 def load_job_checkpoint(engine: Any, ckpt_dir: Path) -> tuple[str, Progress]:
@@ -52,9 +68,12 @@ def load_job_checkpoint(engine: Any, ckpt_dir: Path) -> tuple[str, Progress]:
 
         path, progress = load_job_checkpoint(engine, Path("out/checkpoints"))
     """
-    latest = ckpt_dir / "latest"
-    if not latest.is_file():
+    choice = atomic.agree(lambda: atomic.select(ckpt_dir))  # NoIntactCheckpointError names the broken files
+    if choice.tag is None:
         raise NoCheckpointError(f"no checkpoint found in {ckpt_dir}")
-    tag = latest.read_text().strip()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for line in choice.warnings:
+            logger.warning("--resume: %s", line)
+    tag = choice.tag
     load_checkpoint(engine, str(ckpt_dir), tag)
     return str(ckpt_dir / tag), Progress(**json.loads((ckpt_dir / tag / "progress.json").read_text()))

@@ -18,6 +18,9 @@ import argparse
 import logging
 import sys
 
+from sparse_scale.base.atomic_checkpoint import CheckpointError
+from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError
+from sparse_scale.distenv import shutdown_distributed
 from sparse_scale.reporting import print_table
 
 from .checkpoints import NoCheckpointError
@@ -39,7 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps to train (in total, across resumes)")
     p.add_argument("--out", default="runs/train_moe_lm", help="folder for checkpoints, wandb and summary.json")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints "
+                   "(verified against its manifest; a broken one falls back to the newest intact one)")
+    p.add_argument("--max-skipped-steps", type=int, default=DEFAULT_MAX_SKIPPED_STEPS, metavar="N",
+                   help="stop with an error when DeepSpeed's overflow check skips more than N optimizer steps in a "
+                        "row (a non-finite loss or gradient norm stops the job at once)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -55,7 +62,8 @@ def job_from_args(args: argparse.Namespace) -> LMJobConfig:
     """
     return LMJobConfig(config=args.config, data=args.data, glob=args.glob, heldout_fraction=args.heldout_fraction,
                        eval_tokens=args.eval_tokens, steps=args.steps, out=args.out, save_every=args.save_every,
-                       resume=args.resume, seed=args.seed, threads=args.threads)
+                       resume=args.resume, seed=args.seed, threads=args.threads,
+                       max_skipped_steps=args.max_skipped_steps)
 
 
 def _show_job_messages() -> None:
@@ -93,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         summary = run(job_from_args(args))
     except NoCheckpointError as err:
         raise SystemExit(f"--resume: {err}") from err
+    except (DivergenceError, CheckpointError) as err:  # a clear one-line message and a non-zero exit
+        raise SystemExit(str(err)) from err
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print_table(summary_rows(summary))
+    shutdown_distributed()

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from moe_proto.balance import reset_expert_loads, update_expert_biases
 from moe_proto.data import ByteCorpus
 from moe_proto.models import MoETransformerLM
+from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError, DivergenceGuard
 from sparse_scale.distenv import init_distributed
 from sparse_scale.reporting import finish_wandb, setup_wandb_env, wandb_dir
 
@@ -52,6 +54,7 @@ class LMJobConfig:
     steps: int = 300
     out: str = "runs/train_moe_lm"
     save_every: int = 0  # 0: checkpoint only at the end
+    max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS  # overflow-skipped steps in a row before the job stops
     resume: bool = False
     seed: int = 1234
     threads: int = 0
@@ -61,7 +64,9 @@ class LMJobConfig:
 def run(job: LMJobConfig) -> LMSummary:
     """Train, evaluate on the held-out files and checkpoint; every rank of the launch calls it.
 
-    Raises :class:`~sparse_scale.lm.NoCheckpointError` for ``resume=True`` without a checkpoint.
+    Raises :class:`~sparse_scale.lm.NoCheckpointError` for ``resume=True`` without a checkpoint,
+    :class:`~sparse_scale.base.divergence.DivergenceError` when training diverges (nothing diverged is
+    saved) and :class:`~sparse_scale.base.atomic_checkpoint.CheckpointError` for a full disk or no intact checkpoint.
 
     Example::
 
@@ -99,16 +104,30 @@ def run(job: LMJobConfig) -> LMSummary:
     train_time, tokens_this_run, last_ckpt = 0.0, 0, None
     running = torch.zeros(3)  # ce loss sum, aux loss sum, count
     step_tokens = micro_batch * seq_len * world * grad_accum
+    # checked on the loss: NaN/inf in the token embeddings or the hidden states entering the MoE layers reach it
+    guard = DivergenceGuard(job.max_skipped_steps, what="the LM loss")
     while step < job.steps:
         t0 = time.perf_counter()
+        guard.start_step(engine)
         for _ in range(grad_accum):
             inputs, targets = next(batches)
-            result = engine(inputs, targets)
+            try:
+                result = engine(inputs, targets)
+            except FloatingPointError as exc:  # an MoE layer refused NaN/inf hidden states: the run diverged
+                raise DivergenceError(f"training diverged at step {step + 1}: {exc}") from exc
             engine.backward(result.loss)
             engine.step()
             micro_batches += 1
-            running += torch.tensor([result.ce_loss.item(), result.aux_loss.item(), 1.0])
+            ce_aux = [result.ce_loss.item(), result.aux_loss.item()]
+            guard.loss(ce_aux[0] + ce_aux[1])
+            running += torch.tensor([*ce_aux, 1.0])
+        # Once per optimizer step, from the loads of all its micro-batches summed over the ranks.
+        if engine.was_step_applied():
+            update_expert_biases(model)
+        else:
+            reset_expert_loads(model)
         step += 1
+        guard.end_step(step, engine)  # DivergenceError: stops before any save of the diverged state
         tokens += step_tokens
         tokens_this_run += step_tokens
         train_time += time.perf_counter() - t0
@@ -122,8 +141,10 @@ def run(job: LMJobConfig) -> LMSummary:
             events += [(name, value, tokens) for name, value in routing_events(model)]
             engine.monitor.write_events(events)
         if job.save_every and step % job.save_every == 0:
+            guard.check_params(model, step)
             last_ckpt = save_job_checkpoint(engine, ckpt_dir, Progress(step, micro_batches, tokens), rank)
     bar.close()
+    guard.check_params(model, step)  # the final save follows: never of a diverged state
 
     metrics = evaluate(engine, corpus, seq_len, micro_batch, rank, world, job.eval_tokens)
     engine.monitor.write_events([(f"eval/{k}", v, tokens) for k, v in metrics.items()])

@@ -25,7 +25,9 @@ def model_args_from_config(path: str) -> tuple[MoETransformerArgs, dict[str, Any
     model_cfg = job.blocks.get("moe_model")
     if model_cfg is None:
         raise ConfigError(f"{path}: no 'moe_model' block (num_layers, d_model, num_heads, ffn_hidden_size, ...)")
-    return MoETransformerArgs.from_configs(model_cfg, job.blocks.get("moe_proto")), dict(job.ds)
+    stage = (job.ds.get("zero_optimization") or {}).get("stage", 0)
+    zero_stage = 3 if stage == 3 else None  # DeepSpeed accepts MoE layers under ZeRO-3 only as ZeRO3MoE
+    return MoETransformerArgs.from_configs(model_cfg, job.blocks.get("moe_proto"), zero_stage=zero_stage), dict(job.ds)
 
 
 def optimizer_param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:

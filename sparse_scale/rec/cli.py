@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS
+from sparse_scale.distenv import shutdown_distributed
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import Crash, Straggler, parse_crash, parse_straggler
 from sparse_scale.reporting import finish_wandb, print_table, setup_wandb_env
@@ -40,24 +42,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0].split(": ", 1)[-1])
     p.add_argument("--config", required=True, help="DeepSpeed JSON/hjson with optional picasso/gba blocks")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps to train (in total, across resumes)")
+    p.add_argument("--epochs", type=int, default=1, metavar="N",
+                   help="passes over --train-files (file data only), each after the first with its file order and "
+                        "windows of batches shuffled by --seed, evaluated at each epoch's end; --steps stays an "
+                        "upper bound")
     p.add_argument("--out", default="runs/train_rec", help="folder for checkpoints, wandb and summary.json")
     p.add_argument("--data", choices=["synthetic", "criteo", "parquet"], default="synthetic")
     p.add_argument("--train-files", nargs="*", default=[], help="Criteo TSV or parquet files (--data criteo|parquet)")
     p.add_argument("--eval-files", nargs="*", default=[], help="held-out files (--data criteo|parquet)")
     p.add_argument("--max-bad-fraction", type=float, default=0.01, help="bad rows tolerated before failing")
-    p.add_argument("--fields", type=int, default=26, help="categorical fields (synthetic)")
+    p.add_argument("--fields", type=int, default=None, help="categorical fields (synthetic; default 26)")
     p.add_argument("--vocab", type=int, default=2000, help="rows per field (synthetic) or hash buckets (files)")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the synthetic ids")
-    p.add_argument("--max-hot", type=int, default=3, help="max ids per field and sample (synthetic)")
-    p.add_argument("--num-dense", type=int, default=13)
+    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of the synthetic ids (default 1.1)")
+    p.add_argument("--max-hot", type=int, default=None, help="max ids per field and sample (synthetic; default 3)")
+    p.add_argument("--num-dense", type=int, default=None, help="dense features (synthetic; default 13, files have 13)")
     p.add_argument("--embedding-dim", type=int, default=16)
     p.add_argument("--model", choices=["wide_deep", "dlrm"], default="wide_deep",
                    help="wide-and-deep (wide ids + FM + MLP, mean pooling) or DLRM (bottom MLP, dot interactions, "
                         "top MLP, sum pooling); either over per-field tables, or packed ones with a picasso block")
-    p.add_argument("--eval-samples", type=int, default=200_000, help="held-out samples (synthetic)")
+    p.add_argument("--eval-samples", type=int, default=None, help="held-out samples (synthetic; default 200000)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints "
+                   "(verified against its manifest; a broken one falls back to the newest intact one)")
+    p.add_argument("--max-skipped-steps", type=int, default=DEFAULT_MAX_SKIPPED_STEPS, metavar="N",
+                   help="stop with an error when DeepSpeed's overflow check skips more than N optimizer steps in a "
+                        "row (a non-finite loss or gradient norm stops the job at once)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an OUT that already holds checkpoints (without it, and without "
+                        "--resume, that is an error: a rerun would silently start over and move 'latest' back)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
     p.add_argument("--straggler", action="append", default=[], type=_argument(parse_straggler),
@@ -85,19 +98,80 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Flags that shape the synthetic stream only: with file data they are refused, not silently ignored.
+SYNTHETIC_ONLY_FLAGS = {"fields": "--fields", "zipf": "--zipf", "max_hot": "--max-hot", "num_dense": "--num-dense",
+                        "eval_samples": "--eval-samples"}
+
+
+def _synthetic_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The synthetic-only flags as RecJobConfig fields: given ones, else the defaults; refused with file data."""
+    given = {name: getattr(args, name) for name in SYNTHETIC_ONLY_FLAGS if getattr(args, name) is not None}
+    if given and args.data != "synthetic":
+        from sparse_scale.rec.job import FILE_DENSE, FILE_FIELDS
+
+        flags = ", ".join(SYNTHETIC_ONLY_FLAGS[name] for name in given)
+        raise RecJobError(f"{flags}: shape the synthetic stream only, and --data {args.data} reads the files "
+                          f"(their {FILE_FIELDS} categorical and {FILE_DENSE} dense columns, held-out rows from "
+                          f"--eval-files); drop {'it' if len(given) == 1 else 'them'}")
+    return given
+
+
 def job_config(args: argparse.Namespace) -> RecJobConfig:
     """The :class:`RecJobConfig` the parsed flags describe (reads and validates ``--config``)."""
     stragglers: list[Straggler] = list(args.straggler)
     crash: Crash | None = args.crash
     return RecJobConfig(
         config=args.config, steps=args.steps, out=args.out, data=args.data, train_files=tuple(args.train_files),
-        eval_files=tuple(args.eval_files), max_bad_fraction=args.max_bad_fraction, fields=args.fields,
-        vocab=args.vocab, zipf=args.zipf, max_hot=args.max_hot, num_dense=args.num_dense,
-        embedding_dim=args.embedding_dim, model=args.model, eval_samples=args.eval_samples,
-        eval_every=args.eval_every, save_every=args.save_every, resume=args.resume, seed=args.seed,
+        eval_files=tuple(args.eval_files), max_bad_fraction=args.max_bad_fraction, **_synthetic_flags(args),
+        vocab=args.vocab, embedding_dim=args.embedding_dim, model=args.model,
+        eval_every=args.eval_every, save_every=args.save_every, max_skipped_steps=args.max_skipped_steps,
+        resume=args.resume, seed=args.seed,
         threads=args.threads, stragglers=tuple(stragglers), server_tables=args.server_tables,
         rejoin_as=args.rejoin_as, crash=crash, ps_link_latency_ms=args.ps_link_latency_ms,
-        ps_link_mbit=args.ps_link_mbit)
+        ps_link_mbit=args.ps_link_mbit, epochs=args.epochs)
+
+
+def check_out_folder(out: str | os.PathLike, resume: bool, overwrite: bool) -> None:
+    """Refuse an OUT that is no writable folder, or an earlier run's folder without --resume / --overwrite.
+
+    Run before step 1, so that a bad ``--out`` does not surface only when the first save is written::
+
+        check_out_folder("runs/x", resume=False, overwrite=False)   # RecJobError if runs/x/checkpoints has a run
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise RecJobError(f"--out {path}: exists and is not a folder")
+    existing = next((p for p in path.parents if p.exists()), Path(".")) if not path.exists() else path
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise RecJobError(f"--out {path}: cannot write there ({existing} is not a writable folder)")
+    ckpt = path / "checkpoints"
+    if not resume and not overwrite and ckpt.is_dir() and any(ckpt.iterdir()):
+        raise RecJobError(f"--out {path}: already holds a run ({ckpt}); pass --resume to continue it or "
+                          "--overwrite to start over in it")
+
+
+def check_files(config: RecJobConfig) -> None:
+    """Refuse missing, empty, gzip-compressed or unreadable --train-files / --eval-files before step 1."""
+    from picasso_ops.data.quality import DataError
+    from picasso_ops.data.rows import check_readable
+
+    if config.data == "synthetic":
+        return
+    kind = "Criteo TSV" if config.data == "criteo" else "parquet"
+    for flag, files in (("--train-files", config.train_files), ("--eval-files", config.eval_files)):
+        try:
+            check_readable(list(files), kind)
+        except (OSError, DataError, ValueError) as exc:
+            raise RecJobError(f"{flag}: {exc}") from None
+
+
+def check_stragglers(config: RecJobConfig, world_size: int) -> None:
+    """Refuse a --straggler or --crash rank that is not in this launch of ``world_size`` ranks."""
+    ranks = [("--straggler", s.rank) for s in config.stragglers]
+    ranks += [("--crash", config.crash.rank)] if config.crash is not None else []
+    for flag, rank in ranks:
+        if not 0 <= rank < world_size:
+            raise RecJobError(f"{flag}: rank {rank} is out of range: this job has ranks 0..{world_size - 1}")
 
 
 def _show_notices() -> None:
@@ -126,8 +200,12 @@ def train(args: argparse.Namespace, model_factory: Callable[..., Any] | None = N
     _show_notices()
     config = job_config(args)
     check_combinations(config)  # before the launcher's rendezvous or a restarted worker's wait for the servers
+    if config.rejoin_as is None:  # a replacement worker joins the running job's folder on purpose
+        check_out_folder(config.out, config.resume, getattr(args, "overwrite", False))
+    check_files(config)
     wandb_mode = setup_wandb_env(Path(config.out))
     ctx = runner.job_context(config)
+    check_stragglers(config, ctx.world_size)
     summary = runner.run(config, ctx=ctx, wandb_mode=wandb_mode, model_factory=model_factory)
     result = summary.to_dict()
     if not summary.is_server and ctx.rank == 0:
@@ -150,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         train(args)
     except RecJobError as exc:
         raise SystemExit(str(exc)) from None
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,32 @@ def _moe(job: RecJobConfig):
     return job.loaded.blocks.get("moe_proto")
 
 
+DEFAULT_EMBEDDING_DIM = RecJobConfig.__dataclass_fields__["embedding_dim"].default
+DROPLESS_UNUSED = ("capacity_factor", "eval_capacity_factor", "min_capacity", "drop_policy")
+
+
+def _dropless_unused(job: RecJobConfig) -> list[str]:
+    """The moe_proto keys set in the file that a dropless tower never reads (no capacity, nothing dropped)."""
+    moe = _moe(job)
+    if moe is None or not moe.dropless:
+        return []
+    return [k for k in DROPLESS_UNUSED if k in moe.model_fields_set]
+
+
+def _bounds_where(job: RecJobConfig) -> str | None:
+    """Why the job's picasso.bounds_check "warn" / "clamp" cannot apply (None: it can, or it is "fatal")."""
+    p = _picasso(job)
+    if p is None or p.bounds_check == "fatal":
+        return None
+    if _gba(job) is not None:
+        return "a gba block (the tables live on the parameter servers, which check ids and stop at a bad one)"
+    if p.cache is not None:
+        return "picasso.cache (the cache maps ids to its slots on its own path, which stops at a bad id)"
+    if p.sharding != "data_parallel":
+        return f'picasso.sharding "{p.sharding}" (row-wise tables route ids to their owners and stop at a bad one)'
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule("gba+picasso-row-wise",
          lambda j: _gba(j) is not None and _picasso(j) is not None and _picasso(j).sharding == "row_wise",
@@ -82,6 +108,20 @@ RULES: tuple[Rule, ...] = (
          lambda j: "moe_model" in j.loaded.blocks,
          lambda j: f"{j.config}: a moe_model block shapes the MoE language model (launch/train_moe_lm.py); a rec "
                    "job's MoE tower is --model's MLP with the moe_proto block's experts: remove the moe_model block"),
+    Rule("moe-dropless-unused-keys",
+         lambda j: bool(_dropless_unused(j)),
+         lambda j: f"{j.config}: moe_proto.dropless is true, so the tower keeps every route and never reads "
+                   f"moe_proto.{', moe_proto.'.join(_dropless_unused(j))}; remove them (or set dropless false)"),
+    Rule("embedding-dim+picasso",
+         lambda j: (_picasso(j) is not None and j.embedding_dim != DEFAULT_EMBEDDING_DIM
+                    and j.embedding_dim != _picasso(j).embedding_dim),
+         lambda j: f"{j.config}: --embedding-dim {j.embedding_dim} with a picasso block: the packed tables take "
+                   f"picasso.embedding_dim ({_picasso(j).embedding_dim}); set the width there and drop the flag"),
+    Rule("bounds-check-unsupported",
+         lambda j: _bounds_where(j) is not None,
+         lambda j: f"{j.config}: picasso.bounds_check \"{_picasso(j).bounds_check}\" with {_bounds_where(j)}: "
+                   "out-of-range ids are replaced and counted in the packed data-parallel lookup only; use "
+                   "bounds_check \"fatal\""),
     Rule("rejoin+resume",
          lambda j: _gba(j) is not None and j.rejoin_as is not None and j.resume,
          lambda j: "--rejoin-as continues the running job's state; it cannot --resume a checkpoint"),

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Literal
 
+from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS
 from sparse_scale.config import JobConfig, load_config
 from sparse_scale.rec.faults import Crash, Straggler
 
@@ -55,6 +56,7 @@ class RecJobConfig:
     eval_samples: int = 200_000  # synthetic only
     eval_every: int = 0  # 0: only at the end
     save_every: int = 0  # 0: only at the end
+    max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS  # overflow-skipped optimizer steps in a row before stopping
     resume: bool = False
     seed: int = 1234
     threads: int = 0  # torch threads per rank; 0: cores / local ranks
@@ -64,6 +66,7 @@ class RecJobConfig:
     crash: Crash | None = None
     ps_link_latency_ms: float = 0.0  # modelled one-way latency to the parameter servers (gba_engine/ps/link.py)
     ps_link_mbit: float = 0.0  # modelled bandwidth to the parameter servers, Mbit/s (0: unlimited)
+    epochs: int = 1  # passes over the training files (file data only); --steps stays an upper bound
     loaded: JobConfig | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,13 +74,22 @@ class RecJobConfig:
             raise RecJobError(f"--data {self.data!r}: expected one of {', '.join(DATA_KINDS)}")
         if self.model not in MODEL_KINDS:
             raise RecJobError(f"--model {self.model!r}: expected one of {', '.join(MODEL_KINDS)}")
-        if self.eval_every < 0 or self.save_every < 0 or self.threads < 0:
-            raise RecJobError("--eval-every, --save-every and --threads must be >= 0")
+        for flag, value in (("--eval-every", self.eval_every), ("--save-every", self.save_every),
+                            ("--threads", self.threads)):
+            if value < 0:
+                zero = "cores / local ranks" if flag == "--threads" else "only at the end"
+                raise RecJobError(f"{flag} {value}: must be >= 0 (0: {zero})")
         for flag, value, low in (("--steps", self.steps, 1), ("--fields", self.fields, 1), ("--vocab", self.vocab, 1),
                                  ("--embedding-dim", self.embedding_dim, 1), ("--max-hot", self.max_hot, 1),
-                                 ("--num-dense", self.num_dense, 0), ("--eval-samples", self.eval_samples, 1)):
+                                 ("--num-dense", self.num_dense, 0), ("--eval-samples", self.eval_samples, 1),
+                                 ("--max-skipped-steps", self.max_skipped_steps, 1)):
             if value < low:  # a job that would train or score nothing is refused before step 1
                 raise RecJobError(f"{flag} {value}: must be >= {low}")
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise RecJobError(f"--epochs {self.epochs!r}: must be an integer >= 1")
+        if self.epochs > 1 and self.data == "synthetic":  # the synthetic stream is endless: it has no epochs
+            raise RecJobError(f"--epochs {self.epochs}: needs file data (--data criteo|parquet with --train-files); "
+                              "the synthetic stream never ends, train it longer with --steps")
         if not (math.isfinite(self.zipf) and self.zipf >= 0):
             raise RecJobError(f"--zipf {self.zipf}: must be a finite exponent >= 0")
         for flag, value in (("--ps-link-latency-ms", self.ps_link_latency_ms), ("--ps-link-mbit", self.ps_link_mbit)):

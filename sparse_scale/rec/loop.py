@@ -1,4 +1,9 @@
-"""The training loop of a recommender job: steps over the stream, periodic eval and saves, fault hooks.
+"""The training loop of a recommender job: steps over the stream, periodic and per-epoch eval, saves, fault hooks.
+
+With ``--epochs`` N > 1 an epoch's end is evaluated after the step that holds its last batch (with
+gradient accumulation a rank stream completes that step with the next epoch's first micro-batches,
+claimed batches evaluate after the step whose claims pass the epoch's last number); the job's last
+epoch is scored by the runner's end evaluation instead.
 
 Example::
 
@@ -14,14 +19,16 @@ from pathlib import Path
 
 import torch
 
+from sparse_scale.base.divergence import DivergenceError, DivergenceGuard, deepspeed_engine_of
 from sparse_scale.rec import checkpoint
 from sparse_scale.rec import evaluate as evaluation
 from sparse_scale.rec.checkpoint import Progress
+from sparse_scale.rec.config import RecJobError
 from sparse_scale.rec.data import TrainStream
 from sparse_scale.rec.engines import RecEngine
 from sparse_scale.rec.faults import FaultInjector
 from sparse_scale.rec.job import RecJob
-from sparse_scale.rec.moe_tower import load_events, plus_aux_loss, towers_of
+from sparse_scale.rec.moe_tower import finish_moe_step, load_events, plus_aux_loss, towers_of
 
 logger = logging.getLogger(__name__)
 notice = logging.getLogger("sparse_scale.rec.notice")
@@ -35,9 +42,14 @@ class LoopResult:
     progress: Progress
     train_time_s: float  # the training steps' wall time (no eval, no saves)
     local_samples: int  # this rank's samples of this run (with claimed batches, this worker's own)
-    eval_history: list[dict[str, float]]
+    eval_history: list[dict[str, float]]  # per-epoch entries carry "epoch"
     last_checkpoint: str | None
     exhausted: bool  # the data (or, claimed, the job's batches) ran out
+    finished_epochs: int = 0  # epochs read to their end (file data)
+
+
+class TrainingDivergedError(RecJobError):
+    """The loss or gradients went non-finite, or DeepSpeed skipped too many steps in a row; nothing was saved."""
 
 
 def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,
@@ -45,7 +57,18 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
     """Train from ``progress`` until ``job.config.steps`` (per-rank streams) or until the stream ends.
 
     Closes ``stream`` (stops reading ahead) before it returns; its ``state()`` stays valid for a save.
+    Raises :class:`TrainingDivergedError` (after closing ``stream``) when training diverges; the diverged
+    state is not saved, so the last good checkpoint stays ``latest``.
     """
+    try:
+        return _train_loop(job, engine, stream, progress, faults, ckpt_dir)
+    except DivergenceError as exc:
+        stream.close()
+        raise TrainingDivergedError(str(exc)) from None
+
+
+def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,
+                ckpt_dir: Path) -> LoopResult:
     from tqdm import tqdm
 
     cfg = job.config
@@ -57,12 +80,23 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
     train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
     loss_sum, loss_count = 0.0, 0  # since the last LOG_EVERY point (plain floats: no tensor per micro-step)
     exhausted = False
+    ds_engine = deepspeed_engine_of(engine)  # its skipped steps and gradient norm feed the divergence guard
+    guard = DivergenceGuard(cfg.max_skipped_steps, engine.worker_group, lockstep=not stream.is_claimed)
     while (stream.is_claimed or progress.step < cfg.steps) and not exhausted:
         t0, step_samples, micro_done = time.perf_counter(), 0, 0
-        mark = stream.mark() if cfg.save_every else None  # only periodic saves need where the step started
+        # only periodic saves and epoch ends need where the step started
+        mark = stream.mark() if cfg.save_every or cfg.epochs > 1 else None
+        guard.start_step(ds_engine)
         for _ in range(job.grad_accum):
             batch = next(batches, None)
             samples = stream.step_samples(batch, engine.worker_group)
+            while samples == 0 and stream.next_epoch():  # an epoch ended on some rank: every rank takes the next
+                if micro_done == 0:  # at a step boundary the model is the epoch's end: score it before going on
+                    te = time.perf_counter()
+                    history.extend(_evaluate(engine, job, stream, progress, e) for e in stream.epoch_ends(None))
+                    t0 += time.perf_counter() - te  # evaluation is no training time
+                batch = next(batches, None)
+                samples = stream.step_samples(batch, engine.worker_group)
             if samples == 0:
                 exhausted = True  # a partial accumulation window is dropped, like drop_last
                 break
@@ -76,11 +110,16 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
             engine.step()
             micro_done += 1
             step_samples += samples  # claimed: this worker's samples (the job's are summed at the end)
-            loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+            loss_value = loss.item()
+            guard.loss(loss_value)
+            loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         if exhausted:
             progress = dataclasses.replace(progress, micro_batches=progress.micro_batches + micro_done)
             break
+        if towers:
+            finish_moe_step(engine)  # expert biases move once per optimizer step, from all its micro-batches
         progress = progress.after_step(micro_done, step_samples)
+        guard.end_step(progress.step, ds_engine)
         faults.after_step(progress.step)
         samples_this_run += step_samples
         train_time += time.perf_counter() - t0
@@ -92,14 +131,37 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
             engine.write_events([("train/loss", mean_loss, x),
                                  ("train/samples_per_s", progress.samples / max(train_time, 1e-9), x),
                                  *load_events(towers, x)])
-        if cfg.eval_every and progress.step % cfg.eval_every == 0 and progress.step < cfg.steps:
-            metrics, x = evaluation.evaluate(engine, job), stream.monitor_x(progress)
-            history.append({"step": progress.step, **metrics})
-            engine.write_events([(f"eval/{k}", v, x) for k, v in metrics.items()])
+        ended = stream.epoch_ends(mark)
+        if ended or (cfg.eval_every and progress.step % cfg.eval_every == 0 and progress.step < cfg.steps):
+            history.append(_evaluate(engine, job, stream, progress, ended[-1] if ended else None))
         if cfg.save_every and stream.save_due(cfg.save_every, progress, mark):
-            last_ckpt = checkpoint.save(engine, ckpt_dir, progress, stream)
+            guard.check_params(engine.module, progress.step)
+            last_ckpt = checkpoint.save(engine, ckpt_dir, progress, stream, job.rank)
+    guard.check_params(engine.module, progress.step)  # the runner's final save follows: never of a diverged state
     bar.close()
     stream.close()  # stop reading ahead before evaluating
     if exhausted and job.rank == 0 and not stream.is_claimed:
-        notice.info("training data ran out after %d steps (%s samples)", progress.step, f"{progress.samples:,}")
-    return LoopResult(progress, train_time, samples_this_run, history, last_ckpt, exhausted)
+        if cfg.epochs > 1:
+            notice.info("%d epochs of the training data done after %d steps (%s samples)", cfg.epochs,
+                        progress.step, f"{progress.samples:,}")
+        else:
+            notice.info("training data ran out after %d steps (%s samples)", progress.step, f"{progress.samples:,}")
+    finished = stream.finished_epochs()
+    if cfg.epochs > 1 and finished < cfg.epochs and job.rank == 0:
+        notice.info("--steps %d ended the job in epoch %d of --epochs %d (0-based)", cfg.steps, finished, cfg.epochs)
+    return LoopResult(progress, train_time, samples_this_run, history, last_ckpt, exhausted, finished)
+
+
+def _evaluate(engine: RecEngine, job: RecJob, stream: TrainStream, progress: Progress,
+              epoch: int | None) -> dict[str, float]:
+    """Evaluate now (every rank together) and write ``eval/*`` events; ``epoch``: the epoch that just ended."""
+    metrics, x = evaluation.evaluate(engine, job), stream.monitor_x(progress)
+    events = [(f"eval/{k}", v, x) for k, v in metrics.items()]
+    if epoch is None:
+        engine.write_events(events)
+        return {"step": progress.step, **metrics}
+    engine.write_events([*events, ("eval/epoch", float(epoch), x)])
+    if job.rank == 0:
+        notice.info("epoch %d of %d ended at step %d: auc %.4f, log loss %.4f", epoch, job.config.epochs,
+                    progress.step, metrics["auc"], metrics["log_loss"])
+    return {"step": progress.step, "epoch": epoch, **metrics}

@@ -45,6 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_proto.args import routing_options_of
+from moe_proto.balance import reset_expert_loads, update_expert_biases
 from moe_proto.checkpoint import load_checkpoint as load_moe_checkpoint
 from moe_proto.checkpoint import load_full_state_dict
 from moe_proto.checkpoint import save_checkpoint as save_moe_checkpoint
@@ -168,6 +170,9 @@ class MoETower(nn.Module):
                              f"{hidden} get no MoE layer (hidden layer i has one when (i + 1) % moe_every == 0)")
         if replicated and block.ep_size != 1:
             raise ValueError(f"replicated experts need moe_proto.ep_size 1, got {block.ep_size}")
+        if block.aux_loss_scope == "sequence":
+            raise ValueError("moe_proto.aux_loss_scope='sequence': the rec tower's rows [batch, width] have no "
+                             "sequence dim; use 'micro_batch' or 'global_batch'")
         self.aux_loss_coef = float(block.aux_loss_coef)
         self.hidden = nn.ModuleList()
         self.moe = nn.ModuleDict()
@@ -190,7 +195,7 @@ class MoETower(nn.Module):
                        min_capacity=block.min_capacity, use_rts=False, top2_2nd_expert_sampling=False,
                        num_prototypes=block.num_prototypes, dropless=block.dropless,
                        drop_policy=None if block.dropless else block.drop_policy, z_loss_coef=block.z_loss_coef,
-                       activation=EXPERT_ACTIVATION, ffn_hidden_size=width)
+                       activation=EXPERT_ACTIVATION, ffn_hidden_size=width, **routing_options_of(block))
 
         full = build(1)
         if replicated:
@@ -288,6 +293,10 @@ def tower_factory(job: "RecJob") -> TowerFactory | None:
         raise RecJobError(f"{where}.moe_every={block.moe_every}: --model {job.config.model}'s tower has "
                           f"{len(hidden)} hidden layers {hidden}; hidden layer i gets an MoE FFN when "
                           f"(i + 1) % moe_every == 0, so none would: use moe_every <= {len(hidden)}")
+    if job.gba is not None and (block.expert_bias_update_rate > 0 or block.aux_loss_scope == "global_batch"):
+        raise RecJobError(f"{where}: expert_bias_update_rate > 0 and aux_loss_scope 'global_batch' sum expert loads "
+                          "over the workers every step, and gba workers run asynchronously; with a gba block use "
+                          "expert_bias_update_rate 0 and aux_loss_scope 'micro_batch'")
     if block.ep_size > 1:
         if job.synthetic is None:
             raise RecJobError(f"{where}.ep_size={block.ep_size} with --data {job.config.data}: every worker must "
@@ -309,6 +318,24 @@ def tower_factory(job: "RecJob") -> TowerFactory | None:
                     moe_layer_indices(len(hidden), block.moe_every), hidden,
                     "replicated" if job.gba is not None else f"ep_size {block.ep_size}")
     return functools.partial(MoETower, hidden=hidden, block=block, replicated=job.gba is not None)
+
+
+def finish_moe_step(engine: "RecEngine") -> None:
+    """After a step's last ``engine.step()``: move the expert biases (collective over the workers) or drop the loads.
+
+    A DeepSpeed step skipped on fp16 overflow drops the step's loads instead. No-op (no collective) for
+    models without expert-bias or global-batch layers.
+
+    Example::
+
+        for _ in range(grad_accum): ...; engine.step()
+        finish_moe_step(engine)
+    """
+    inner = getattr(engine, "engine", None)
+    if inner is not None and hasattr(inner, "was_step_applied") and not inner.was_step_applied():
+        reset_expert_loads(engine.module)
+        return
+    update_expert_biases(engine.module, group=engine.worker_group)
 
 
 def has_expert_parallel_layers(model: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from sparse_scale.rec import checkpoint, data, engines, model, moe_tower
 from sparse_scale.rec import evaluate as evaluation
 from sparse_scale.rec.checkpoint import Progress
 from sparse_scale.rec.combinations import check_combinations
-from sparse_scale.rec.config import RecJobConfig
+from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import FaultInjector
 from sparse_scale.rec.job import RecJob
 from sparse_scale.rec.loop import train_loop
@@ -60,6 +60,7 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
     torch.set_num_threads(_threads(config, ctx))
     torch.manual_seed(config.seed)
     job = RecJob.build(config, ctx.rank, ctx.world_size)
+    data.check_epochs(job)  # --epochs against --steps, before any engine (or parameter server) starts
     net = (model_factory or model.build_model)(job)
     built = engines.build_engine(job, net, ctx, model.scheduled_sparse_lr(job.picasso))
     if isinstance(built, engines.ServedJob):
@@ -72,13 +73,21 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
     stream = data.train_stream(job, engine, progress, data_states)
     crash = None if config.rejoin_as is not None else config.crash  # a replacement does not crash again
     loop = train_loop(job, engine, stream, progress, FaultInjector(job.rank, config.stragglers, crash), ckpt_dir)
+    if loop.exhausted and loop.progress.step == 0:  # never evaluate or checkpoint an untrained model as a result
+        engine.close()
+        raise RecJobError(f"--train-files {' '.join(config.train_files)}: the training data ended before step 1 "
+                          f"(no whole batch of {job.micro_batch * job.grad_accum} good rows for this rank)")
 
     metrics = evaluation.evaluate(engine, job)
     x = stream.monitor_x(loop.progress)
-    engine.write_events([(f"eval/{k}", v, x) for k, v in metrics.items()])
+    history, events = loop.eval_history, [(f"eval/{k}", v, x) for k, v in metrics.items()]
+    if config.epochs > 1 and loop.finished_epochs == config.epochs:  # the end evaluation scores the last epoch
+        history = [*history, {"step": loop.progress.step, "epoch": config.epochs - 1, **metrics}]
+        events.append(("eval/epoch", float(config.epochs - 1), x))
+    engine.write_events(events)
     last_ckpt = loop.last_checkpoint
     if last_ckpt is None or Path(last_ckpt).name != stream.tag(loop.progress):
-        last_ckpt = checkpoint.save(engine, ckpt_dir, loop.progress, stream)
+        last_ckpt = checkpoint.save(engine, ckpt_dir, loop.progress, stream, job.rank)
     samples, rate = loop.progress.samples, loop.local_samples / max(loop.train_time_s, 1e-9)
     if stream.is_claimed:  # workers trained different shares: the job's samples over the slowest worker's time
         samples, slowest = engine.totals(loop.local_samples, loop.train_time_s)
@@ -87,7 +96,7 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
         model=config.model, world_size=ctx.world_size, launcher=ctx.launcher, steps=loop.progress.step,
         samples=samples, samples_per_s=rate, train_time_s=loop.train_time_s, local_samples=loop.local_samples,
         metrics=metrics, checkpoint=last_ckpt, wandb_mode=wandb_mode, wandb_dir=wandb_dir(job.rank),
-        eval_history=loop.eval_history,
+        eval_history=history,
         picasso=picasso_summary(engine.module) if job.picasso is not None else None,
         gba=engine.block_summary(),
         moe=moe_tower.expert_load_summary(engine, moe_tower.moe_block(job)))  # a collective over the workers

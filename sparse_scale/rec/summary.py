@@ -76,6 +76,22 @@ def moe_rows(m: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def bounds_rows(b: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Summary-table rows of ``picasso.bounds_check`` "warn" / "clamp": the out-of-range ids replaced, by table.
+
+    Example::
+
+        bounds_rows({"mode": "warn", "out_of_range_ids": 3, "by_table": {"emb0": 3}})
+        # [("picasso ids out of range (warn, rank 0)", "3 -> row 0 (emb0: 3)")]
+    """
+    if not b:
+        return []
+    target = "row 0" if b["mode"] == "warn" else "clamped"
+    tables = ", ".join(f"{t}: {n:,}" for t, n in sorted(b["by_table"].items()))
+    return [(f"picasso ids out of range ({b['mode']}, rank 0)",
+             f"{b['out_of_range_ids']:,} -> {target}" + (f" ({tables})" if tables else ""))]
+
+
 def gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
     """Summary-table rows of a GBA job: mode, switches and their cost, staleness, per-worker samples/s."""
     if not g:
@@ -119,6 +135,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("log loss", f"{s['log_loss']:.4f}" + teacher))
     if "cache_hit_rate" in s.get("picasso", {}):
         rows.append(("picasso cache hit rate", f"{s['picasso']['cache_hit_rate']:.4f}"))
+    rows += bounds_rows((s.get("picasso") or {}).get("bounds_check"))
     rows += moe_rows(s.get("moe"))
     rows += gba_rows(s.get("gba"))
     rows += [("checkpoint", s["checkpoint"]), ("wandb", f"{s['wandb_dir']} ({s['wandb_mode']})")]

@@ -137,6 +137,9 @@ class SlurmCluster:
     ctld_port: int
     slurmd_port: int
     procs: dict[str, subprocess.Popen | int] = dataclasses.field(default_factory=dict)
+    # Two-node clusters (tests/infra/netns.py): the node names, and the prefix that runs a client on node A.
+    nodes: tuple[str, ...] = ()
+    client_prefix: tuple[str, ...] = ()
 
     @property
     def conf(self) -> Path:
@@ -153,8 +156,8 @@ class SlurmCluster:
         return env
 
     def log_paths(self) -> list[Path]:
-        return [self.root / "log" / n for n in ("munged.log", "slurmctld.log", "slurmd.log",
-                                                 "munged.out", "slurmctld.out", "slurmd.out")]
+        names = ("munged", "slurmctld", *(f"slurmd-{n}" for n in self.nodes or ("",)))
+        return [self.root / "log" / f"{n.rstrip('-')}.{ext}" for ext in ("log", "out") for n in names]
 
     def logs(self, lines: int = 30) -> str:
         return "\n".join(f"--- {p}\n{_tail(p, lines)}" for p in self.log_paths() if p.exists())
@@ -164,7 +167,7 @@ class SlurmCluster:
         """Run a Slurm client command against this cluster."""
         exe = find_tool(args[0]) or args[0]
         try:
-            out = subprocess.run([exe, *args[1:]], env=kw.pop("env", self.env), capture_output=True,
+            out = subprocess.run([*self.client_prefix, exe, *args[1:]], env=kw.pop("env", self.env), capture_output=True,
                                  text=True, timeout=timeout_s, **kw)
         except subprocess.TimeoutExpired as e:
             raise SlurmClusterError(f"`{' '.join(args)}` did not return within {timeout_s:.0f}s\n{self.logs()}") from e
@@ -172,12 +175,13 @@ class SlurmCluster:
             raise SlurmClusterError(f"`{' '.join(args)}` exited {out.returncode}: {out.stderr.strip()}\n{self.logs()}")
         return out
 
-    def node_state(self) -> str:
+    def node_state(self, node: str | None = None) -> str:
+        node = node or self.node
         out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout_s=10)
         if out.returncode != 0:
             return f"sinfo failed: {out.stderr.strip()}"
         states = dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
-        return states.get(self.node, f"node {self.node} not listed: {out.stdout.strip()!r}")
+        return states.get(node, f"node {node} not listed: {out.stdout.strip()!r}")
 
     def submit(self, args: Sequence[str], cwd: Path | str | None = None, env: dict[str, str] | None = None) -> str:
         """``sbatch --parsable ARGS``; returns the job id."""
@@ -187,10 +191,22 @@ class SlurmCluster:
             raise SlurmClusterError(f"sbatch printed no job id: {out.stdout!r} {out.stderr!r}")
         return job
 
-    def job_info(self, job: str) -> dict[str, str]:
-        """``scontrol show job`` as a dict (JobState, ExitCode, ...); finished jobs stay for MinJobAge."""
-        out = self.run(["scontrol", "show", "job", "--oneliner", job], timeout_s=10)
-        return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+    def job_info(self, job: str, attempts: int = 5) -> dict[str, str]:
+        """``scontrol show job`` as a dict (JobState, ExitCode, ...); finished jobs stay for MinJobAge.
+
+        A client killed by a signal (seen: SIGPIPE, exit -13, when slurmctld drops the connection
+        under load) or one that cannot reach the controller is retried; any other failure is not.
+        """
+        for attempt in range(attempts):
+            out = self.run(["scontrol", "show", "job", "--oneliner", job], timeout_s=10, check=False)
+            if out.returncode == 0:
+                return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+            transient = out.returncode < 0 or "Unable to contact" in out.stderr or "timed out" in out.stderr
+            if not transient or attempt == attempts - 1:
+                break
+            time.sleep(0.5 * (attempt + 1))
+        raise SlurmClusterError(f"`scontrol show job {job}` exited {out.returncode} ({attempt + 1} tries): "
+                                f"{out.stderr.strip()}\n{self.logs()}")
 
     def wait_job(self, job: str, deadline_s: float) -> dict[str, str]:
         """Poll until the job ends (sbatch --wait sleeps up to 32 s between polls); cancel it at the deadline."""
@@ -209,7 +225,8 @@ class SlurmCluster:
     def stop(self, deadline_s: float = 15.0) -> None:
         """SIGTERM every daemon, SIGKILL what is left at the deadline, then delete the directory."""
         pids = {name: (p.pid if isinstance(p, subprocess.Popen) else p) for name, p in self.procs.items()}
-        for name in ("slurmd", "slurmctld", "munged"):  # clients first, so none logs a lost controller
+        slurmds = sorted(n for n in pids if n.startswith("slurmd"))
+        for name in (*slurmds, "slurmctld", "munged"):  # clients first, so none logs a lost controller
             if name in pids and _alive(pids[name]):
                 try:
                     os.kill(pids[name], signal.SIGTERM)
@@ -237,11 +254,19 @@ class SlurmCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def write_config(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int, mem_mb: int) -> Path:
+def write_config(root: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int, mem_mb: int,
+                 nodes: Sequence[tuple[str, str]] = ()) -> Path:
+    """slurm.conf of a one-node cluster on loopback, or, with ``nodes`` ((name, address) each), of several
+    nodes whose slurmd daemons each live in their own network namespace (the controller on the first)."""
+    ctld_addr = nodes[0][1] if nodes else "127.0.0.1"
+    node_lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN"
+                            for n, a in (nodes or [(node, "127.0.0.1")]))
+    names = ",".join(n for n, _ in nodes) or node
+    per_node = "-%n" if nodes else ""  # several slurmd daemons share the directory
     conf = f"""\
-# Written by tests/infra/slurm_cluster.py: a private one-node cluster; see that file.
+# Written by tests/infra/slurm_cluster.py: a private cluster; see that file.
 ClusterName=sparsescale
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={node}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -250,11 +275,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={root}/munge/munge.socket
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool{per_node}
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd{per_node}.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd{per_node}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No cgroups in containers/sandboxes: track processes by parent pid and do not bind tasks.
@@ -275,38 +300,46 @@ KillWait=5
 InactiveLimit=0
 # Trust the CPUs/memory below even if slurmd counts differently (it counts sockets oddly in VMs).
 SlurmdParameters=config_overrides
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
     path = root / "slurm.conf"
     path.write_text(conf)
     return path
 
 
-def start_cluster(root: Path | None = None, deadline_s: float = 60.0, die_with_parent: bool = True) -> SlurmCluster:
-    """Start munged, slurmctld and slurmd in ``root`` (a new temp dir by default); return when the node is idle."""
+def start_cluster(root: Path | None = None, deadline_s: float = 60.0, die_with_parent: bool = True,
+                  pair=None) -> SlurmCluster:
+    """Start munged, slurmctld and slurmd in ``root`` (a new temp dir by default); return when the node is idle.
+
+    ``pair`` (a ``tests.infra.netns.TwoNodes``): a two-node cluster instead, nodeA and nodeB, one slurmd
+    in each namespace and slurmctld on node A; client commands (``cluster.run``) then run on node A.
+    """
     reason = unavailable_reason()
     if reason:
         raise SlurmClusterError(reason)
     root = Path(root) if root else Path(tempfile.mkdtemp(prefix="slurm-"))
     root = root.resolve()
-    for sub in ("munge", "state", "spool", "log"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
+    hosts = [(n.host, n.addr) for n in pair.nodes] if pair is not None else []
+    for sub in ("munge", "state", "log", *(f"spool-{h}" for h, _ in hosts or [("", "")])):
+        (root / sub.rstrip("-")).mkdir(parents=True, exist_ok=True)
     # munged refuses group/world-writable key directories; the socket directory must be searchable by all.
     os.chmod(root, 0o755)
     os.chmod(root / "munge", 0o755)
     node = socket.gethostname().split(".")[0]
     cpus = os.cpu_count() or 1
     ctld_port, slurmd_port = _free_ports(2)
-    write_config(root, node, cpus, ctld_port, slurmd_port, max(256, int(_mem_mb() * 0.9)))
-    cluster = SlurmCluster(root, node, cpus, ctld_port, slurmd_port)
+    write_config(root, node, cpus, ctld_port, slurmd_port, max(256, int(_mem_mb() * 0.9)), hosts)
+    on_a = tuple(pair.nodes[0].command([])) if pair is not None else ()
+    cluster = SlurmCluster(root, node, cpus, ctld_port, slurmd_port, nodes=tuple(h for h, _ in hosts),
+                           client_prefix=on_a)
     env = cluster.env
     preexec = _die_with_parent if die_with_parent else None
 
-    def spawn(name: str, argv: list[str]) -> None:
+    def spawn(name: str, argv: list[str], where: Sequence[str] = ()) -> None:
         out = open(root / "log" / f"{name}.out", "wb")
         # A new session: a Ctrl-C in the terminal that ran `up` must not reach the daemons.
-        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+        p = subprocess.Popen([*where, *argv], env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True, preexec_fn=preexec)
         out.close()
         cluster.procs[name] = p
@@ -335,15 +368,19 @@ def start_cluster(root: Path | None = None, deadline_s: float = 60.0, die_with_p
 
         _wait_until("munged", munge_ok, deadline_s, cluster.logs)
         # -D: stay in the foreground so we own the pid; -i: ignore (absent) saved state.
-        spawn("slurmctld", [find_tool("slurmctld"), "-D", "-i"])
-        spawn("slurmd", [find_tool("slurmd"), "-D", "-N", node])
+        spawn("slurmctld", [find_tool("slurmctld"), "-D", "-i"], on_a)
+        daemons = [(f"slurmd-{n.host}", n.host, n.command([])) for n in pair.nodes] if pair is not None else [
+            ("slurmd", node, [])]
+        for name, nodename, where in daemons:
+            spawn(name, [find_tool("slurmd"), "-D", "-N", nodename], where)
 
         def idle() -> bool:
             check_running("slurmctld")
-            check_running("slurmd")
-            return cluster.node_state() in ("idle", "mix", "alloc")
+            for name, _, _ in daemons:
+                check_running(name)
+            return all(cluster.node_state(n) in ("idle", "mix", "alloc") for _, n, _ in daemons)
 
-        _wait_until(f"node {node} idle in sinfo", idle, deadline_s,
+        _wait_until(f"node(s) {[n for _, n, _ in daemons]} idle in sinfo", idle, deadline_s,
                     lambda: f"last sinfo state: {cluster.node_state()}\n{cluster.logs()}")
     except BaseException:
         cluster.stop()
