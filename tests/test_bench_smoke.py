@@ -97,6 +97,7 @@ def test_rec_e2e_copy_into_packed_gives_the_plain_models_logits():
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_rec_e2e_same_arithmetic_mode_gives_the_same_scores(tmp_path):
     """--optimizer sgd: packed tables with fused SGD = per-field bags with DeepSpeed's SGD, from the same weights."""
     import json

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_quick_rivals_rows_train_and_score(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "disabled"}

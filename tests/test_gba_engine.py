@@ -148,6 +148,7 @@ def launch(tmp_path_factory):
     return {"w0": res[0], "server": res[2], "wall_s": time.monotonic() - t0, "tmp": tmp}
 
 
+@pytest.mark.soak
 def test_tuning_free_gba_lockstep_equals_sync(launch):
     sync, gba = launch["w0"]["sync"], launch["w0"]["gba"]
     torch.testing.assert_close(gba["params"], sync["params"], rtol=1e-5, atol=1e-6)
@@ -155,6 +156,7 @@ def test_tuning_free_gba_lockstep_equals_sync(launch):
     assert launch["server"]["gba"]["server"]["staleness"] == {"0": 2 * STEPS}
 
 
+@pytest.mark.soak
 def test_learning_rate_schedule_runs_on_the_servers_like_deepspeed(launch):
     sync, gba = launch["w0"]["sched_sync"], launch["w0"]["sched_gba"]
     torch.testing.assert_close(gba["params"], sync["params"], rtol=1e-5, atol=1e-6)
@@ -162,6 +164,7 @@ def test_learning_rate_schedule_runs_on_the_servers_like_deepspeed(launch):
     assert not torch.allclose(sync["params"], launch["w0"]["sync"]["params"], atol=1e-4)
 
 
+@pytest.mark.soak
 def test_server_checkpoint_restores_exactly(launch):
     from gba_engine.checkpoint import load_shard
     w0 = launch["w0"]
@@ -174,6 +177,7 @@ def test_server_checkpoint_restores_exactly(launch):
     assert torch.equal(r["restored_moments"], shard.moments["exp_avg"])
 
 
+@pytest.mark.soak
 def test_auto_switches_both_ways_without_a_loss_jump(launch):
     auto, ref = launch["w0"]["auto"], launch["w0"]["sync16"]
     modes = [m for _, m in auto["losses"]]
@@ -187,6 +191,7 @@ def test_auto_switches_both_ways_without_a_loss_jump(launch):
     torch.testing.assert_close(auto["params"], ref["params"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.soak
 def test_claimed_batches_sync_lockstep_and_async(launch):
     w0 = launch["w0"]
     sync = w0["claims_sync"]["taken"]
@@ -202,6 +207,7 @@ def test_claimed_batches_sync_lockstep_and_async(launch):
     assert abs(len(fast) - len(slow)) <= 1
 
 
+@pytest.mark.soak
 def test_killed_worker_in_gba_mode_job_continues(launch):
     k = launch["w0"]["killed"]
     server = launch["server"]["killed"]["server"]
@@ -210,6 +216,7 @@ def test_killed_worker_in_gba_mode_job_continues(launch):
     assert server["lost_workers"] == [1] and k["summary"]["server_version"] >= 3  # published at every server tick
 
 
+@pytest.mark.soak
 def test_bad_config_is_a_clear_error_on_every_rank(launch):
     assert "gba.num_servers=3 leaves no worker in a launch of 3 ranks" in launch["w0"]["bad"]
     assert "gba.num_servers=3" in launch["server"]["bad"]

@@ -163,6 +163,7 @@ def _explain(job: dict) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_every_rank_exits_non_zero_by_itself(job):
     codes = job["codes"]
     assert all(c is not None for c in codes.values()), f"ranks still running past the deadline: {codes}\n{_explain(job)}"
@@ -172,6 +173,7 @@ def test_every_rank_exits_non_zero_by_itself(job):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_every_worker_raises_server_lost_naming_the_server(job):
     errors = job["errors"]
     for w in (0, 1):
@@ -188,6 +190,7 @@ def test_every_worker_raises_server_lost_naming_the_server(job):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_dead_server_is_named_not_only_gloo_text(job):
     if job["fault"] != signal.SIGKILL:
         assert "Connection reset by peer" not in job["errors"][0]["message"].split("(", 1)[0]
@@ -198,6 +201,7 @@ def test_a_dead_server_is_named_not_only_gloo_text(job):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_the_other_server_stops_with_the_same_reason(job):
     if job["fault"] != signal.SIGSTOP:
         assert set(job["codes"]) == {0, 1}
@@ -209,6 +213,7 @@ def test_the_other_server_stops_with_the_same_reason(job):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_the_store_process_does_not_outlive_the_job(job):
     assert job["store_host_gone"], f"store process {job['store_host']} still runs after every rank exited"
 

@@ -186,6 +186,7 @@ def _assert_matches(run: dict, ref, atol: float = 1e-6) -> None:
         torch.testing.assert_close(run["tables"][name], rows, rtol=1e-5, atol=atol)
 
 
+@pytest.mark.soak
 def test_sync_packed_server_tables_equal_one_process_with_picasso_tables(launch):
     run = launch["w0"]["adagrad_sync"]
     assert set(run["modes"]) == {"sync"} and run["version"] == STEPS
@@ -198,6 +199,7 @@ def test_sync_packed_server_tables_equal_one_process_with_picasso_tables(launch)
     assert not torch.allclose(run["tables"]["deep0"], constant, atol=1e-4)
 
 
+@pytest.mark.soak
 def test_lockstep_gba_packed_tables_equal_one_process(launch):
     run = launch["w0"]["adam_gba"]
     assert set(run["modes"]) == {"gba"}
@@ -206,6 +208,7 @@ def test_lockstep_gba_packed_tables_equal_one_process(launch):
     assert launch["server"]["adam_gba"]["server"]["staleness"] == {"0": 2 * STEPS}
 
 
+@pytest.mark.soak
 def test_forced_auto_switches_hand_over_the_dense_part_and_keep_the_rows(launch):
     run = launch["w0"]["sgd_auto"]
     assert run["modes"] == ["sync", "sync", "gba", "gba", "sync", "sync"], run["modes"]
@@ -216,6 +219,7 @@ def test_forced_auto_switches_hand_over_the_dense_part_and_keep_the_rows(launch)
     _assert_matches(run, _reference(SGD))
 
 
+@pytest.mark.soak
 def test_checkpoint_carries_rows_and_optimizer_state_and_resumes_exactly(launch):
     full, resumed = launch["w0"]["adagrad_sync"], launch["w0"]["adagrad_resumed"]
     assert resumed["version"] == STEPS

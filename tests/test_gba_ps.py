@@ -456,6 +456,7 @@ def test_tuning_free_gba_equals_sync_allreduce_2_workers_1_server(launch_a):
     _check_equivalence(launch_a, workers=[1], servers=[2], num_servers=1)
 
 
+@pytest.mark.soak
 def test_tuning_free_gba_equals_sync_allreduce_2_workers_2_servers(launch_b):
     _check_equivalence(dict(enumerate(launch_b)), workers=[0, 1], servers=[2, 3], num_servers=2)
 
@@ -487,6 +488,7 @@ def test_bad_num_servers_is_a_clear_error_on_every_rank(launch_a):
         assert "gba.num_servers=3 leaves no worker in a launch of 3 ranks" in launch_a[rank]["bad_config"]
 
 
+@pytest.mark.soak
 def test_cache_store_calls_and_stall_detection(launch_b):
     worker, idle, s0, s1 = (r["api"] for r in launch_b)
     assert worker["layout"] == ((0, 1), (2, 3), False, False) and s0["layout"] == ((0, 1), (2, 3), True, True)

@@ -164,6 +164,7 @@ def job(request, tmp_path_factory):
             "new": torch.load(os.path.join(tmp, "rejoiner.pt"), weights_only=False)}
 
 
+@pytest.mark.soak
 def test_restarted_worker_rejoins_and_takes_batches(job):
     new, server = job["new"], job["server"]
     assert new["rejoined"] and new["mode"] == "gba" and new["rt_incarnation"] == 1
@@ -174,21 +175,25 @@ def test_restarted_worker_rejoins_and_takes_batches(job):
     assert server["pushes"].get(str(dead), 0) >= len(new["taken"])  # the server counted the new process's gradients
 
 
+@pytest.mark.soak
 def test_auto_mode_moved_to_gba_before_the_death(job):
     assert job["w0"]["sync_steps"] == 0 if job["mode"] == "gba" else job["w0"]["sync_steps"] >= 2
 
 
+@pytest.mark.soak
 def test_every_batch_is_trained_once_across_the_dead_and_the_new_process(job):
     w0, dead, new = job["w0"]["taken"], job["dead"]["taken"], job["new"]["taken"]
     everything = w0 + dead + new
     assert len(everything) == len(set(everything)) == TOTAL and set(everything) == set(range(TOTAL))
 
 
+@pytest.mark.soak
 def test_new_process_starts_from_the_current_model_version(job):
     # its first token is at least the version the dead process last saw: it never trains an older model
     assert job["new"]["tokens"][0] >= job["dead"]["version"] >= 1
 
 
+@pytest.mark.soak
 def test_all_workers_end_on_the_same_parameters(job):
     w0, new, server = job["w0"], job["new"], job["server"]
     torch.testing.assert_close(new["dense"], w0["dense"], rtol=0, atol=0)
@@ -199,6 +204,7 @@ def test_all_workers_end_on_the_same_parameters(job):
     assert server["received"] >= TOTAL - 2 * w0["sync_steps"] - 1
 
 
+@pytest.mark.soak
 def test_bad_rejoins_fail_with_clear_errors(job):
     errors = job["new"]["errors"]
     assert "rank 2 is not a worker" in errors[2] and "only a worker can rejoin" in errors[2]

@@ -106,6 +106,7 @@ def launch():
     return {"w0": {**sync[0], **gba[0]}, "w1": {**sync[1], **gba[1]}}
 
 
+@pytest.mark.soak
 def test_sync_with_the_cache_equals_sync_without_it(launch):
     for w, run in ((w, run) for w in ("w0", "w1") for run in ("sync_cached", "sync_validated")):
         plain, cached = launch[w]["sync"], launch[w][run]
@@ -124,6 +125,7 @@ def test_sync_with_the_cache_equals_sync_without_it(launch):
     assert validated["served"] == 0 and validated["refreshes"] > 0 and validated["refreshed_changed"] > 0, validated
 
 
+@pytest.mark.soak
 def test_gba_serves_no_cached_row_older_than_the_staleness_threshold(launch):
     st = launch["w0"]["gba_cached"]["summary"]["row_cache"]
     assert st["served"] > 0 and st["row_bytes_saved"] > 0 and 0 < st["hit_rate"] <= 1, st
@@ -132,6 +134,7 @@ def test_gba_serves_no_cached_row_older_than_the_staleness_threshold(launch):
     assert st["max_held_age"] > THRESHOLD and st["refreshes"] > 0, st
 
 
+@pytest.mark.soak
 def test_gba_prefetch_reads_ahead_under_the_same_bound(launch):
     for w in ("w0", "w1"):
         st = launch[w]["gba_prefetch"]["summary"]["row_cache"]
@@ -237,6 +240,7 @@ def test_a_prefetch_for_a_later_version_is_dropped_not_waited_for():
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_train_rec_runs_packed_server_tables_behind_the_cache_and_a_slow_link(tmp_path):
     import json
     from pathlib import Path

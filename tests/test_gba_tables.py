@@ -158,6 +158,7 @@ def _assert_matches(run: dict, ref) -> None:
         torch.testing.assert_close(run["tables"][name], rows, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.soak
 def test_gradient_clipping_runs_on_the_servers_like_deepspeed(launch):
     ref = _reference(STEPS, clip=CLIP)
     _assert_matches(launch["w0"]["clip_sync"], ref)  # DeepSpeed clips the all-reduced gradient
@@ -167,6 +168,7 @@ def test_gradient_clipping_runs_on_the_servers_like_deepspeed(launch):
     assert not torch.allclose(launch["w0"]["clip_sync"]["dense"], launch["w0"]["sync"]["dense"], atol=1e-3)
 
 
+@pytest.mark.soak
 def test_sync_with_tables_on_the_servers_equals_one_process_on_the_global_batch(launch):
     run = launch["w0"]["sync"]
     assert set(run["modes"]) == {"sync"} and run["version"] == STEPS
@@ -179,6 +181,7 @@ def test_sync_with_tables_on_the_servers_equals_one_process_on_the_global_batch(
     assert torch.equal(run["tables"]["a"][20:], init["a"][20:])
 
 
+@pytest.mark.soak
 def test_gba_lockstep_with_tables_equals_sync(launch):
     run = launch["w0"]["gba"]
     assert set(run["modes"]) == {"gba"}
@@ -186,6 +189,7 @@ def test_gba_lockstep_with_tables_equals_sync(launch):
     assert launch["server"]["gba"]["server"]["staleness"] == {"0": 2 * STEPS}
 
 
+@pytest.mark.soak
 def test_auto_switches_both_ways_and_the_tables_never_move(launch):
     run = launch["w0"]["auto"]
     assert "gba" in run["modes"] and run["modes"][-1] == "sync", run["modes"]
@@ -198,6 +202,7 @@ def test_auto_switches_both_ways_and_the_tables_never_move(launch):
     _assert_matches(run, _reference(AUTO_STEPS))
 
 
+@pytest.mark.soak
 def test_checkpoint_with_tables_resumes_exactly(launch):
     full, resumed = launch["w0"]["adam_full"], launch["w0"]["adam_resumed"]
     assert resumed["version"] == STEPS

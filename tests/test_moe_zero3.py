@@ -218,11 +218,13 @@ def test_zero3_checkpoint_loads_at_other_ep_size_and_stage_two_ranks(two_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("ep", FOUR_RANKS["eps"])
+@pytest.mark.soak
 def test_zero3_four_ranks_match_single_process_reference(four_ranks, references, mode, ep):
     _check_training(four_ranks, references[(mode, 4)], mode, ep)
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_zero3_checkpoint_saved_at_ep4_loads_at_ep2(four_ranks):
     _check_resume(four_ranks, FOUR_RANKS)
 

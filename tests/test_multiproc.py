@@ -48,6 +48,7 @@ def test_first_failure_propagates_with_traceback():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.soak
 def test_deadline_kills_hanging_ranks(capfd, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError, match=r"deadline of 5s passed; ranks \[0, 1\]"):

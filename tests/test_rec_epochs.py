@@ -471,6 +471,7 @@ def test_two_epochs_straight_equal_a_run_stopped_mid_epoch_and_resumed(files, tm
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_gba_sync_job_over_two_epochs_resumes_exactly(files, tmp_path):
     evalf = write_tsv(tmp_path / "eval.tsv", random_rows(24, seed=31, first_id=100))
     base = dict(data="criteo", train_files=tuple(map(str, files)), eval_files=(str(evalf),), epochs=2, steps=40,

@@ -233,6 +233,7 @@ def expert_parallel(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_expert_parallel_ep2_trains_like_ep1(expert_parallel):
     a, b = expert_parallel["ep1"], expert_parallel["ep2"]
     assert a["samples"] == b["samples"] == STEPS * 64 * 2
@@ -248,6 +249,7 @@ def test_expert_parallel_ep2_trains_like_ep1(expert_parallel):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_expert_parallel_resumes_exactly(expert_parallel):
     r, b = expert_parallel["resumed"], expert_parallel["ep2"]
     assert r["samples"] == b["samples"] == STEPS * 64 * 2
@@ -255,6 +257,7 @@ def test_expert_parallel_resumes_exactly(expert_parallel):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_expert_parallel_over_a_picasso_cache_trains(expert_parallel):
     got = expert_parallel["picasso"]
     assert got["auc"] > 0.5 and got["samples"] == STEPS * 64 * 2

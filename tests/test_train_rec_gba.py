@@ -46,7 +46,8 @@ def _config(tmp_path: Path, mode: str, timeout_s: float = 20) -> str:
 
 @pytest.mark.parametrize("mode,steps,straggler", [("gba", 8, ["--straggler", "1:20"]),
                                                    ("auto", 24, ["--straggler", "1:8:3-9"]),
-                                                   ("auto", 24, ["--straggler", "1:8:3-9", "--server-tables"])],
+                                                   pytest.param("auto", 24, ["--straggler", "1:8:3-9", "--server-tables"],
+                                                                marks=pytest.mark.soak)],
                          ids=["gba", "auto", "auto-server-tables"])
 def test_train_rec_gba_block_on_workers_and_a_server(tmp_path, mode, steps, straggler):
     argv = [*SMALL, "--steps", str(steps), "--config", _config(tmp_path, mode), "--out", str(tmp_path / mode),
@@ -140,6 +141,7 @@ def test_gba_mode_on_criteo_files_hands_out_numbered_row_ranges(tmp_path):
     assert w0["samples"] == 672 - 6 and w0["eval_samples"] == 256 and 0.0 < w0["auc"] < 1.0
 
 
+@pytest.mark.soak
 def test_gba_job_goes_on_without_a_crashed_worker_and_scores_its_eval_shard(tmp_path):
     """--crash 1:3 in gba mode: worker 0 trains every remaining batch and scores the whole held-out set."""
     # timeout 5 s: the servers give a silent worker timeout_s to come back before they end the job
@@ -176,6 +178,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.soak
 def test_crashed_worker_is_replaced_by_train_rec_rejoin_as(tmp_path):
     """--crash 1:3, then `train_rec.py --rejoin-as 1` (same config and --out) takes the job's next batches."""
     import subprocess

@@ -25,6 +25,7 @@ def _picasso_config(tmp_path: Path, mode: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_train_rec_packed_tables_on_the_server_in_auto_mode_and_resume(tmp_path):
     import torch
 

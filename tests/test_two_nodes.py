@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.skipif(netns.unava
                                                    reason=f"two nodes need network namespaces: {netns.unavailable()}")]
 DEADLINE_S = 55.0
 DEEPSPEED = str(Path(PY).parent / "deepspeed")
-REC_ARGS = ("--steps", "3", "--eval-samples", "1024", "--vocab", "200", "--threads", "1")
+REC_STEPS = 3
+REC_ARGS = ("--steps", str(REC_STEPS), "--eval-samples", "1024", "--vocab", "200", "--threads", "1")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_the_two_nodes_are_separate_hosts(nodes):
 def test_deepspeed_hostfile_two_nodes_sync(nodes, tmp_path):
     summary = _deepspeed_on_both(nodes, (1, 1), "launch/train_rec.py",
                                  ["--config", "ds_configs/demo_cpu.json", *REC_ARGS], tmp_path / "sync")
-    assert summary["world_size"] == 2 and summary["launcher"] == "deepspeed" and summary["steps"] == 3
+    assert summary["world_size"] == 2 and summary["launcher"] == "deepspeed" and summary["steps"] == REC_STEPS
 
 
 @pytest.mark.parametrize("mode", ["sync", "gba"])
@@ -131,8 +132,8 @@ def test_train_rec_with_the_parameter_server_on_the_second_node(nodes, tmp_path,
                                  tmp_path / mode)
     assert summary["world_size"] == 3
     assert summary["gba"]["steps_per_mode"] == {mode: summary["steps"]}
-    if mode == "gba":  # every worker's gradient of every job batch reached the server on node B
-        assert sum(summary["gba"]["staleness_histogram"].values()) == summary["steps"] * 2
+    if mode == "gba":  # the job's --steps x 2 workers batches, first come: each one's gradient reached node B
+        assert sum(summary["gba"]["staleness_histogram"].values()) == REC_STEPS * 2
 
 
 def test_moe_lm_with_expert_parallelism_across_the_nodes(nodes, tmp_path):
