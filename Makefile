@@ -42,7 +42,7 @@ demo-system: $(STAMP)
 test: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)
 	$(PY) -m pytest -q --durations=20 -m "not gpu and not soak" tests
 
-# Long fault and multi-node runs (chaos, two nodes): CI runs them after `make test`.
+# Long runs (chaos, two nodes, fault runs, multi-process fixtures of 10 s or more): CI runs them after `make test`.
 soak: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)
 	$(PY) -m pytest -q --durations=10 -m soak tests
 
