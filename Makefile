@@ -47,7 +47,7 @@ soak: $(STAMP) $(BENCH_STAMP) $(SYS_STAMP)
 	$(PY) -m pytest -q --durations=10 -m soak tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not soak and not gpu" tests
 
 $(BENCH_STAMP): constraints.txt | $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions
