@@ -26,7 +26,11 @@ Peak memory: the profiler's allocation events (``torch.profiler`` with
 ``profile_memory=True``; every CPU tensor allocation and free) over one
 forward+backward, summed in time order; the peak is the most bytes live at once
 beyond what existed before the step (parameters and the input are not counted;
-activations, gradients and temporaries are).
+activations, gradients and temporaries are). Our layer takes its large buffers from
+``moe_proto.buffer_pool`` (reused across steps, so they would not show up as
+allocations): pooling is off while peaks are measured, and the bytes the pool holds
+between steps after the timed run (all modes' layers share one pool) are printed below
+the table.
 
 Expert parallelism (``--ep 2``): ``ep`` gloo processes on 127.0.0.1
 (``sparse_scale.multiproc.run_distributed``), one intra-op thread each, every rank with
@@ -60,6 +64,7 @@ from torch import Tensor, nn
 
 from moe_proto import MoE
 from moe_proto.args import MoEArgs
+from moe_proto.buffer_pool import default_pool
 
 EP2_UNAVAILABLE = "ep=2: expert parallelism not available in this build"
 EP2_HINT = "ep=2: run with --ep 2 (2 gloo processes) for the expert-parallel table"
@@ -138,6 +143,7 @@ class Row:
     ideal_peak: int
     ours_drop_rate: float
     experts_only_s: Optional[float] = None  # single-process runs only
+    pool_held: int = 0  # bytes moe_proto's buffer pool held after the timed run (one pool for every mode)
 
 
 Step = Callable[[], None]
@@ -258,10 +264,15 @@ def peak_bytes(steps: Dict[str, Step]) -> Dict[str, int]:
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for name, step in steps.items():
-            with record_function(f"peak::{name}"):
-                step()
+    pool = default_pool()
+    max_bytes, pool.max_bytes = pool.max_bytes, 0  # every buffer a plain allocation the profiler sees
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for name, step in steps.items():
+                with record_function(f"peak::{name}"):
+                    step()
+    finally:
+        pool.max_bytes = max_bytes
     events = list(prof.profiler.kineto_results.events())
     ranges = {e.name()[len("peak::"):]: (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("peak::")}
     memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
@@ -315,6 +326,7 @@ def run(cfg: BenchConfig, modes: Sequence[Mode] = MODES, with_deepspeed: bool = 
         steps, drop_rates[mode.name] = build_variants(cfg, mode, with_deepspeed)
         all_steps.update({f"{mode.name}|{name}": step for name, step in steps.items()})
     timings = time_round_robin(all_steps, cfg.reps, cfg.warmup)
+    pool_held = default_pool().stats().held_bytes
     peaks = peak_bytes(all_steps)
     rows = []
     for mode in modes:
@@ -328,7 +340,7 @@ def run(cfg: BenchConfig, modes: Sequence[Mode] = MODES, with_deepspeed: bool = 
             ds_wall_s=timings[ds_key].wall_median if has_ds else None, ideal_wall_s=ideal.wall_median,
             ours_peak=peaks[f"{mode.name}|ours"], ds_peak=peaks.get(ds_key),
             ideal_peak=peaks[f"{mode.name}|ideal"], ours_drop_rate=drop_rates[mode.name],
-            experts_only_s=timings[f"{mode.name}|experts only"].thread_median))
+            experts_only_s=timings[f"{mode.name}|experts only"].thread_median, pool_held=pool_held))
     return rows
 
 
@@ -396,6 +408,7 @@ class EpRow:
     ds_peak: Optional[int]
     ideal_peak: int
     ours_drop_rate: float  # mean over ranks
+    pool_held: int = 0  # the larger rank's buffer-pool bytes after the timed run
 
 
 def _ep_worker(rank: int, world: int, cfg: BenchConfig, mode_names: Sequence[str],
@@ -416,8 +429,9 @@ def _ep_worker(rank: int, world: int, cfg: BenchConfig, mode_names: Sequence[str
         steps.update({f"{mode.name}|{name}": step for name, step in mode_steps.items()})
     timings = time_round_robin(steps, cfg.reps, cfg.warmup, before_each=dist.barrier)
     dist.barrier()
+    held = default_pool().stats().held_bytes
     peaks = peak_bytes(steps)
-    return {"port": os.environ.get("MASTER_PORT"), "drops": drops, "peaks": peaks,
+    return {"port": os.environ.get("MASTER_PORT"), "drops": drops, "peaks": peaks, "pool_held": held,
             "thread": {name: t.thread for name, t in timings.items()},
             "wall": {name: t.wall for name, t in timings.items()}}
 
@@ -469,7 +483,8 @@ def run_ep(cfg: BenchConfig, ep: int = 2, modes: Sequence[Mode] = MODES, with_de
             ours_peak=max(r["peaks"][ours] for r in results),
             ds_peak=None if None in ds_peaks else max(ds_peaks),
             ideal_peak=max(r["peaks"][ideal] for r in results),
-            ours_drop_rate=statistics.mean(r["drops"][mode.name] for r in results)))
+            ours_drop_rate=statistics.mean(r["drops"][mode.name] for r in results),
+            pool_held=max(r["pool_held"] for r in results)))
     return rows
 
 
@@ -529,6 +544,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f"{os.cpu_count()} CPUs, load average (1/5/15 min) {_load(load_before)} before, "
           f"{_load(load_after)} after")
     print(table)
+    print(f"moe_proto buffer pool: {mb(rows[0].pool_held)} MiB held between steps after the timed run (one pool "
+          f"shared by all modes' layers{', the larger rank' if args.ep > 1 else ''}; peaks above are measured with "
+          "pooling off)")
     if args.ep == 1:
         print(EP2_HINT if ep_available() else EP2_UNAVAILABLE)
 

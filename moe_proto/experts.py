@@ -52,6 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from .buffer_pool import HostBufferPool, default_pool
+
 ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": partial(F.gelu, approximate="tanh"),
@@ -162,14 +164,15 @@ class _FusedExpertFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, counts: List[int], activation: str, w1: Tensor, b1: Optional[Tensor],  # type: ignore[override]
-                w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor], b3: Optional[Tensor]) -> Tensor:
+    def forward(ctx, x: Tensor, counts: List[int], activation: str, pool: HostBufferPool,  # type: ignore[override]
+                w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
+                b3: Optional[Tensor]) -> Tensor:
         rows, ffn = x.shape[0], w1.shape[-1]
         gated = w3 is not None
-        h1 = x.new_empty(rows, ffn)
-        h3 = x.new_empty(rows, ffn) if gated else None
-        act = x.new_empty(rows, ffn)  # activation (times the gate branch when gated): input of w2
-        y = x.new_empty(rows, w2.shape[-1])
+        h1 = pool.empty((rows, ffn), x.dtype)
+        h3 = pool.empty((rows, ffn), x.dtype) if gated else None
+        act = pool.empty((rows, ffn), x.dtype)  # activation (times the gate branch when gated): input of w2
+        y = pool.empty((rows, w2.shape[-1]), x.dtype)
         act_out = _ACT_OUT[activation]
         start = 0
         for e, n in enumerate(counts):
@@ -185,6 +188,7 @@ class _FusedExpertFFN(torch.autograd.Function):
             _linear_out(act[sl], w2[e], None if b2 is None else b2[e], y[sl])
         ctx.counts = counts
         ctx.activation = activation
+        ctx.pool = pool
         ctx.has_bias = (b1 is not None, b2 is not None, b3 is not None)
         ctx.save_for_backward(x, w1, w2, w3, h1, h3, act)
         return y
@@ -194,27 +198,28 @@ class _FusedExpertFFN(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):  # type: ignore[override]
         x, w1, w2, w3, h1, h3, act = ctx.saved_tensors
         need = ctx.needs_input_grad
-        need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = (need[0], need[3], need[4], need[5],
-                                                                         need[6], need[7], need[8])
+        need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = need[0], *need[4:10]
         gated = w3 is not None
         # A stride-0 gradient (from ``out.sum()``) would turn every per-expert GEMM into a strided one.
         grad_y = grad_y.contiguous()
         # empty, not zeros: every expert with rows overwrites its slot; empty experts are zeroed below.
-        dx = torch.empty_like(x) if need_x else None
-        dw1 = torch.empty_like(w1) if need_w1 else None
-        dw2 = torch.empty_like(w2) if need_w2 else None
-        dw3 = torch.empty_like(w3) if gated and need_w3 else None
-        db1 = w1.new_empty(w1.shape[0], w1.shape[2]) if need_b1 else None
-        db2 = w2.new_empty(w2.shape[0], w2.shape[2]) if need_b2 else None
-        db3 = w3.new_empty(w3.shape[0], w3.shape[2]) if gated and need_b3 else None
+        # Pooled: weight gradients come back once the optimizer sets .grad to None (buffer_pool.py).
+        pool = ctx.pool
+        dx = pool.empty(x.shape, x.dtype) if need_x else None
+        dw1 = pool.empty(w1.shape, w1.dtype) if need_w1 else None
+        dw2 = pool.empty(w2.shape, w2.dtype) if need_w2 else None
+        dw3 = pool.empty(w3.shape, w3.dtype) if gated and need_w3 else None
+        db1 = pool.empty((w1.shape[0], w1.shape[2]), w1.dtype) if need_b1 else None
+        db2 = pool.empty((w2.shape[0], w2.shape[2]), w2.dtype) if need_b2 else None
+        db3 = pool.empty((w3.shape[0], w3.shape[2]), w3.dtype) if gated and need_b3 else None
         act_grad = _ACT_GRAD[ctx.activation]
         # Per-expert temporaries live in buffers sized for the largest expert, allocated once: fresh
         # megabyte-sized tensors per expert make glibc trim and re-map its heap, and the resulting page
         # faults (measured: 4x more than one big GEMM chain) cost more than the activation maths.
         max_rows = max(ctx.counts, default=0)
-        d_act_buf = grad_y.new_empty(max_rows, h1.shape[1])
-        d_h1_buf = torch.empty_like(d_act_buf)
-        d_h3_buf = torch.empty_like(d_act_buf) if gated else None
+        d_act_buf = pool.empty((max_rows, h1.shape[1]), grad_y.dtype)
+        d_h1_buf = pool.empty((max_rows, h1.shape[1]), grad_y.dtype)
+        d_h3_buf = pool.empty((max_rows, h1.shape[1]), grad_y.dtype) if gated else None
         start = 0
         for e, n in enumerate(ctx.counts):
             if n == 0:
@@ -254,7 +259,7 @@ class _FusedExpertFFN(torch.autograd.Function):
                     dx[sl].addmm_(d_h3, w3[e].t())
         if dx is not None and start < x.shape[0]:
             dx[start:].zero_()
-        return dx, None, None, dw1, db1, dw2, db2, dw3, db3
+        return dx, None, None, None, dw1, db1, dw2, db2, dw3, db3
 
 
 def _linear_out(x: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> None:
@@ -271,13 +276,15 @@ def _linear_out(x: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> None:
 
 def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: Tensor, b1: Optional[Tensor],
                      w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor] = None,
-                     b3: Optional[Tensor] = None) -> Tensor:
+                     b3: Optional[Tensor] = None, pool: Optional[HostBufferPool] = None) -> Tensor:
     """Expert FFN ``act(x W1 + b1) [* (x W3 + b3)] W2 + b2`` per expert's rows, fused per expert.
 
     Same maths as composing :func:`grouped_matmul` with the activation (that path stays in
     :class:`GroupedExperts` for CUDA, where one grouped kernel beats a Python loop), but
     faster on CPU; see :class:`_FusedExpertFFN` for why. Reads ``tokens_per_expert`` once
-    as a Python list (free on CPU). Not twice differentiable.
+    as a Python list (free on CPU). Not twice differentiable. Its activations, saved tensors
+    and gradients come from ``pool`` (default :func:`moe_proto.buffer_pool.default_pool`), so a
+    training loop does not page-fault them in again every step.
 
     Example::
 
@@ -288,7 +295,8 @@ def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: 
         raise ValueError(f"tokens_per_expert sums to {sum(counts)} but the buffer has {x.shape[0]} rows")
     if len(counts) != w1.shape[0]:
         raise ValueError(f"tokens_per_expert has {len(counts)} entries for {w1.shape[0]} experts")
-    return _FusedExpertFFN.apply(x.contiguous(), counts, activation, w1, b1, w2, b2, w3, b3)
+    return _FusedExpertFFN.apply(x.contiguous(), counts, activation, pool or default_pool(), w1, b1, w2, b2, w3,
+                                 b3)
 
 
 class GroupedExperts(nn.Module):
@@ -318,6 +326,8 @@ class GroupedExperts(nn.Module):
         self.expert_group_name = expert_group_name
         # CPU: the per-expert fused loop (see fused_expert_ffn); set False to force the grouped_matmul path.
         self.fused_cpu = True
+        # Where the fused loop's large buffers come from (buffer_pool.py); HostBufferPool(0) turns pooling off.
+        self.buffer_pool = default_pool()
         gated = activation in GATED_ACTIVATIONS
         kw = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **kw))
@@ -345,7 +355,7 @@ class GroupedExperts(nn.Module):
         """``[R, d]`` expert-major rows (``tokens_per_expert[e]`` rows for expert e) -> ``[R, d]``."""
         if self.fused_cpu and x.device.type == "cpu" and x.dim() == 2:
             return fused_expert_ffn(x, tokens_per_expert, self.activation, self.w1, self.b1, self.w2, self.b2,
-                                    self.w3, self.b3)
+                                    self.w3, self.b3, pool=self.buffer_pool)
         row_expert = None
         if self.b1 is not None:
             experts = torch.arange(self.num_experts, device=x.device)

@@ -87,6 +87,19 @@ def test_peak_bytes_sees_allocations(bench):
     assert bench.peak_bytes({"ones": step})["ones"] >= 4 << 20
 
 
+def test_peak_bytes_counts_the_layers_pooled_buffers(bench):
+    from moe_proto.buffer_pool import default_pool
+
+    pool = default_pool()
+    cap = pool.max_bytes
+
+    def step():
+        pool.empty((1 << 20, )).fill_(1.0)  # 4 MiB from the pool: pooling is off while peaks are taken
+
+    assert bench.peak_bytes({"pooled": step})["pooled"] >= 4 << 20
+    assert pool.max_bytes == cap
+
+
 @pytest.mark.parametrize("activation,bias", [("gelu", True), ("gelu_tanh", False), ("relu", True),
                                              ("silu", False), ("swiglu", True), ("swiglu", False)])
 def test_fused_cpu_experts_match_grouped_matmul_path(activation, bias):
