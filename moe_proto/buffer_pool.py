@@ -160,6 +160,24 @@ class HostBufferPool:
 _DEFAULT = HostBufferPool()
 
 
+def use_buffer_pool(model: "torch.nn.Module", pool: HostBufferPool) -> int:
+    """Make every ``GroupedExperts`` inside ``model`` take its buffers from ``pool``; returns how many.
+
+    The config's ``moe_proto.host_buffer_pool_mb`` reaches a model this way (one pool per model,
+    shared by its layers: a buffer freed by one layer's backward serves the next layer's).
+
+    Example::
+
+        use_buffer_pool(model, HostBufferPool(max_bytes=256 * 2**20))
+    """
+    from .experts import GroupedExperts
+
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for module in experts:
+        module.buffer_pool = pool
+    return len(experts)
+
+
 def default_pool() -> HostBufferPool:
     """The pool the MoE layers use unless given another (``GroupedExperts(..., buffer_pool=...)``).
 

@@ -71,6 +71,10 @@ class MoEProtoConfig(StrictBlock):
                              "0: none).")
     shared_expert_ffn_hidden_size: Optional[PositiveInt] = Field(
         None, description="Hidden width of each shared expert; null: the routed experts' width.")
+    host_buffer_pool_mb: int = Field(
+        1024, ge=0, description="Most MiB of CPU memory the model's MoE layers keep between steps for reuse "
+                                "(activations, saved tensors, weight gradients of 256 KiB or more): reused buffers "
+                                "are not page-faulted in again every step (moe_proto/buffer_pool.py; 0: off).")
 
     @model_validator(mode="after")
     def _routing_options(self) -> "MoEProtoConfig":

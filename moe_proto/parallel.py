@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .buffer_pool import default_pool
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x4D6F45  # "MoE": tells a stray message of another collective from our header
@@ -210,12 +212,12 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
+        return torch.index_select(x, 0, index, out=_rows_like(x, index.shape[0]))
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         inverse, = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        return torch.index_select(grad, 0, inverse, out=_rows_like(grad, inverse.shape[0])), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -225,7 +227,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],  # type: ignore[override]
                 group: Optional[dist.ProcessGroup]) -> Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group = list(out_splits), list(in_splits), group
-        out = x.new_empty(sum(out_splits), x.shape[1])
+        out = _rows_like(x, sum(out_splits))
         dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
                                group=group)
         return out
@@ -233,10 +235,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         grad = grad.contiguous()
-        back = grad.new_empty(sum(ctx.in_splits), grad.shape[1])
+        back = _rows_like(grad, sum(ctx.in_splits))
         dist.all_to_all_single(back, grad, output_split_sizes=ctx.in_splits, input_split_sizes=ctx.out_splits,
                                group=ctx.group)
         return back, None, None, None
+
+
+def _rows_like(x: Tensor, rows: int) -> Tensor:
+    """An uninitialised ``[rows, x.shape[1]]`` tensor like ``x``; large CPU ones come from the layer's buffer pool."""
+    return default_pool().empty((rows, x.shape[1]), x.dtype, x.device)
 
 
 def _segment_rows(starts: Tensor, lengths: Tensor) -> Tensor:

@@ -151,3 +151,17 @@ def test_a_kept_gradient_is_never_handed_out_again():
 def test_the_layer_uses_the_default_pool_for_its_experts():
     moe = MoE(16, num_experts=4, ffn_hidden_size=32, use_rts=False)
     assert moe.experts.buffer_pool is default_pool()
+
+
+def test_the_config_key_sizes_one_pool_per_model():
+    from moe_proto.config import MoEProtoConfig
+    from moe_proto.models import MoEModelConfig, MoETransformerArgs, MoETransformerLM
+
+    block = MoEProtoConfig(num_experts=4, host_buffer_pool_mb=3)
+    model_cfg = MoEModelConfig(num_layers=2, d_model=16, num_heads=2, ffn_hidden_size=32, seq_len=8)
+    model = MoETransformerLM(MoETransformerArgs.from_configs(model_cfg, block))
+    pools = {id(layer.experts.buffer_pool) for layer in model.moe_layers()}
+    assert len(pools) == 1
+    assert model.moe_layers()[0].experts.buffer_pool.max_bytes == 3 << 20
+    with pytest.raises(ValueError, match="host_buffer_pool_mb"):
+        MoEProtoConfig(num_experts=4, host_buffer_pool_mb=-1)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..args import RoutingOptions, routing_options_of
+from ..buffer_pool import HostBufferPool, use_buffer_pool
 from ..layer import MoE
 from .config import DEFAULT_VOCAB, END_OF_DOCUMENT, MoEModelConfig
 
@@ -80,6 +81,7 @@ class MoETransformerArgs(RoutingOptions):
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     zero_stage: Optional[int] = None  # 3: the MoE layers are ZeRO3MoE, the class DeepSpeed's ZeRO-3 accepts
+    host_buffer_pool_mb: int = 1024  # the MoE layers' buffer pool (moe_proto/buffer_pool.py); 0: off
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
@@ -121,7 +123,8 @@ class MoETransformerArgs(RoutingOptions):
                       moe_every=moe.moe_every, capacity_factor=moe.capacity_factor,
                       eval_capacity_factor=moe.eval_capacity_factor, min_capacity=moe.min_capacity,
                       dropless=moe.dropless, drop_policy=moe.drop_policy, ep_size=moe.ep_size,
-                      aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, **routing_options_of(moe))
+                      aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
+                      host_buffer_pool_mb=moe.host_buffer_pool_mb, **routing_options_of(moe))
         kw.update(overrides)
         return cls(**kw)
 
@@ -233,6 +236,8 @@ class MoETransformerLM(nn.Module):
         self.blocks = nn.ModuleList(Block(args, args.is_moe_layer(i)) for i in range(args.num_layers))
         self.ln_f = nn.LayerNorm(args.d_model, eps=args.norm_eps)
         self._init_weights()
+        # One pool for the model's MoE layers: a buffer one layer's backward frees serves the next layer's.
+        use_buffer_pool(self, HostBufferPool(max_bytes=args.host_buffer_pool_mb << 20))
         logger.info("MoETransformerLM: %d layers (%d MoE), d_model %d, %d experts", args.num_layers,
                     args.num_moe_layers, args.d_model, args.num_experts)
 

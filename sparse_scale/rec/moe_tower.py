@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from moe_proto.args import routing_options_of
 from moe_proto.balance import reset_expert_loads, update_expert_biases
+from moe_proto.buffer_pool import HostBufferPool, use_buffer_pool
 from moe_proto.checkpoint import load_checkpoint as load_moe_checkpoint
 from moe_proto.checkpoint import load_full_state_dict
 from moe_proto.checkpoint import save_checkpoint as save_moe_checkpoint
@@ -182,6 +183,7 @@ class MoETower(nn.Module):
                 self.moe[str(i)] = self._moe_layer(h, block, replicated)
             width = h
         self.head = nn.Linear(width, 1)
+        use_buffer_pool(self, HostBufferPool(max_bytes=block.host_buffer_pool_mb << 20))
         self._pending_aux: list[Tensor] = []
         self._routed = {name: torch.zeros(block.num_experts, dtype=torch.long) for name in self.moe}
         self._kept = {name: torch.zeros(block.num_experts, dtype=torch.long) for name in self.moe}
