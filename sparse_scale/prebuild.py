@@ -6,7 +6,7 @@ DeepSpeed JIT-builds ``deepspeed_shm_comm`` on the first ``init_distributed`` of
 multi-rank CPU job (~1 min) into ~/.cache/torch_extensions. A build killed midway
 leaves a ``lock`` file there and every later build waits on it forever: this script
 names such a lock instead of hanging. Staleness is judged by
-``picasso_ops.ops.builder.lock_staleness``, the one stale-lock test of the project;
+``sparse_scale.base.jit_build.lock_staleness``, the one stale-lock test of the project;
 this edge binds ``picasso_ops.ops.configure(OpsConfig.from_env(os.environ))`` first.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from picasso_ops.ops import builder
+from sparse_scale.base import jit_build
 from picasso_ops.ops.config import OpsConfig, configure, current_config
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def extensions_dir() -> Path:
 
 
 def stale_locks(root: Path, now: float | None = None, max_age_s: Optional[float] = None) -> list[Path]:
-    """Stale lock files of the op folders under ``root`` (``builder.lock_staleness``): left by a killed build.
+    """Stale lock files of the op folders under ``root`` (``jit_build.lock_staleness``): left by a killed build.
 
     ``max_age_s`` defaults to the bound ``OpsConfig.stale_lock_s``.
 
@@ -45,7 +45,7 @@ def stale_locks(root: Path, now: float | None = None, max_age_s: Optional[float]
     """
     max_age_s = current_config().stale_lock_s if max_age_s is None else max_age_s
     return sorted(lock for lock in Path(root).glob("*/lock")
-                  if builder.lock_staleness(lock.parent, max_age_s, now=now)[0] is not None)
+                  if jit_build.lock_staleness(lock.parent, max_age_s, now=now)[0] is not None)
 
 
 def main() -> int:

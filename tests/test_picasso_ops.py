@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -405,7 +406,7 @@ def test_lock_of_dead_builder_is_stale_at_once(tmp_path):
     dead.wait()
     lock = tmp_path / "lock"
     lock.touch()  # fresh, but its builder is gone
-    (tmp_path / f"builder.{builder.socket.gethostname()}.{dead.pid}").touch()
+    (tmp_path / f"builder.{socket.gethostname()}.{dead.pid}").touch()
     builder.check_lock(tmp_path, stale_after_s=3600)
     assert not lock.exists() and not list(tmp_path.glob("builder.*"))
 
@@ -416,7 +417,7 @@ def test_lock_of_live_builder_is_kept(tmp_path):
         lock = tmp_path / "lock"
         lock.touch()
         _old(lock, 3600)  # old, but its builder is still running: a slow build, not a dead one
-        (tmp_path / f"builder.{builder.socket.gethostname()}.{live.pid}").touch()
+        (tmp_path / f"builder.{socket.gethostname()}.{live.pid}").touch()
         builder.check_lock(tmp_path, stale_after_s=60, wait=False)
         assert lock.exists()
         young = tmp_path / "young"
@@ -450,7 +451,7 @@ def test_build_clears_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch,
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     builder._build(verbose=False, stale_after_s=60, clear_stale=True)
     assert seen["lock_exists"] is False and seen["build_directory"] == str(directory)
-    assert seen["markers"] == [f"builder.{builder.socket.gethostname()}.{os.getpid()}"]
+    assert seen["markers"] == [f"builder.{socket.gethostname()}.{os.getpid()}"]
     assert not list(directory.glob("builder.*"))  # marker removed after the build
 
 

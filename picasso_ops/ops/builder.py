@@ -16,8 +16,8 @@ command-line edge, which binds ``OpsConfig.from_env(os.environ)``.
 torch serialises builds with a ``lock`` file in that folder and waits for it
 forever; a build killed midway leaves the file behind, and every later build
 hangs (seen on our machines). Before building, :func:`check_lock` looks at the
-lock (:func:`lock_staleness` is the one test of staleness, also used by
-``sparse_scale.prebuild`` for DeepSpeed's builds): each builder writes ``builder.<host>.<pid>`` next to it while it runs, so
+lock (``lock_staleness`` of :mod:`sparse_scale.base.jit_build` is the one test of staleness, also used by
+``moe_proto.ops`` and ``sparse_scale.prebuild``): each builder writes ``builder.<host>.<pid>`` next to it while it runs, so
 a lock with no live builder on this host that is older than
 ``stale_after_s`` (or whose recorded builder is dead) is stale. A stale lock is
 removed with a warning naming it, or, with ``clear_stale=False``, reported as a
@@ -45,16 +45,15 @@ import argparse
 import logging
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from picasso_ops.ops.config import OpsConfig, configure, current_config
+from sparse_scale.base import jit_build
+from sparse_scale.base.jit_build import StaleLockError, cpu_isa_flags, lock_staleness
 
 __all__ = [
     "EXTENSION_NAME",
@@ -82,46 +81,9 @@ SOURCES: tuple[Path, ...] = (
 )
 # a cold build of the three files takes 1-3 minutes on a busy 2-core box; 10 leaves a wide margin
 DEFAULT_STALE_AFTER_S = OpsConfig().stale_lock_s
-_POLL_S = 2.0
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "failed": None}
-
-
-class StaleLockError(RuntimeError):
-    """A build lock left by a killed build; the message names the file to delete."""
-
-    def __init__(self, path: Path, age_s: float) -> None:
-        self.path = path
-        super().__init__(
-            f"stale torch extension build lock {path} (age {age_s / 60:.1f} min, no live builder): "
-            f"a previous build of {EXTENSION_NAME} was killed midway. Delete it and retry: rm {path}"
-        )
-
-
-def cpu_isa_flags(cpuinfo: Optional[str] = None) -> tuple[str, ...]:
-    """The sorted instruction-set flags of this CPU (``cpuinfo``: the text of ``/proc/cpuinfo`` to read instead).
-
-    x86 lists them under ``flags``, ARM under ``Features``; where neither exists the
-    machine and processor names stand in.
-
-    Example::
-
-        >>> cpu_isa_flags("processor : 0\\nflags : sse2 avx2 fma\\n")
-        ('avx2', 'fma', 'sse2')
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return tuple(sorted(set(value.split())))
-    import platform
-
-    return (platform.machine(), platform.processor())
 
 
 def build_key(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None) -> str:
@@ -135,12 +97,7 @@ def build_key(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None)
         'native-'
     """
     march = (current_config() if config is None else config).march
-    if march != "native":
-        return "".join(c if c.isalnum() or c in "-_." else "_" for c in march) or "generic"
-    import hashlib
-
-    digest = hashlib.sha1(" ".join(cpu_isa_flags(cpuinfo)).encode()).hexdigest()[:12]
-    return f"native-{digest}"
+    return jit_build.build_key(march, cpu_isa_flags(cpuinfo) if march == "native" else ())
 
 
 def build_directory(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None) -> Path:
@@ -156,60 +113,8 @@ def build_directory(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] =
         '/tmp/ext/picasso_ops_cpu-generic'
     """
     root = (current_config() if config is None else config).extensions_dir
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        cuda = torch.version.cuda
-        flavour = f"cu{cuda.replace('.', '')}" if cuda else "cpu"
-        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}")
-    return Path(root) / f"{EXTENSION_NAME}-{build_key(config, cpuinfo)}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def _builders(directory: Path) -> tuple[list[Path], list[Path]]:
-    """This host's builder marker files: (live, dead). Other hosts' markers count as neither."""
-    live, dead = [], []
-    host = socket.gethostname()
-    for marker in directory.glob(f"builder.{host}.*"):
-        try:
-            pid = int(marker.name.rsplit(".", 1)[1])
-        except ValueError:
-            continue
-        (live if pid != os.getpid() and _pid_alive(pid) else dead).append(marker)
-    return live, dead
-
-
-def lock_staleness(directory: Path, stale_after_s: float, now: Optional[float] = None
-                   ) -> tuple[Optional[float], list[Path]]:
-    """``(age_s, dead_markers)`` of the build ``lock`` in ``directory`` when it is stale, else ``(None, [])``.
-
-    Stale: no live ``builder.<host>.<pid>`` marker of this host, and the lock
-    is older than ``stale_after_s`` or a marker names a builder known dead.
-    No lock is not stale. Reads the folder only.
-
-    Example::
-
-        >>> lock_staleness(Path("/nonexistent/dir"), 600.0)
-        (None, [])
-    """
-    lock = Path(directory) / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return None, []
-    live, dead = _builders(Path(directory))
-    if not live and (age > stale_after_s or dead):
-        return age, dead
-    return None, []
+    root = jit_build.extensions_root() if root is None else Path(root)
+    return root / f"{EXTENSION_NAME}-{build_key(config, cpuinfo)}"
 
 
 def check_lock(
@@ -233,26 +138,8 @@ def check_lock(
     """
     directory = build_directory() if directory is None else Path(directory)
     stale_after_s = current_config().stale_lock_s if stale_after_s is None else stale_after_s
-    lock = directory / "lock"
-    while True:
-        if not lock.exists():
-            return
-        age, dead = lock_staleness(directory, stale_after_s)
-        if age is not None:
-            if not clear_stale:
-                raise StaleLockError(lock, age)
-            logger.warning(
-                "removing stale build lock %s (age %.1f min, no live builder; a build was killed midway)",
-                lock, age / 60,
-            )
-            lock.unlink(missing_ok=True)
-            for marker in dead:
-                marker.unlink(missing_ok=True)
-            return
-        if not wait:
-            return
-        logger.info("waiting for another build of %s to release %s", EXTENSION_NAME, lock)
-        time.sleep(_POLL_S)
+    jit_build.check_lock(directory, stale_after_s=stale_after_s, clear_stale=clear_stale, wait=wait,
+                         extension=EXTENSION_NAME, log=logger)
 
 
 def _compiler(config: OpsConfig) -> Optional[str]:
@@ -270,26 +157,11 @@ def _flags(config: OpsConfig) -> list[str]:
 
 
 def _build(verbose: bool, stale_after_s: float, clear_stale: bool, config: Optional[OpsConfig] = None) -> None:
-    from torch.utils.cpp_extension import load
-
     config = current_config() if config is None else config
-    directory = build_directory(config)
-    directory.mkdir(parents=True, exist_ok=True)
-    check_lock(directory, stale_after_s=stale_after_s, clear_stale=clear_stale)
-    marker = directory / f"builder.{socket.gethostname()}.{os.getpid()}"
-    marker.touch()
-    try:
-        load(
-            name=EXTENSION_NAME,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=_flags(config),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
-        )
-    finally:
-        marker.unlink(missing_ok=True)
+    jit_build.build_extension(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
+                              directory=build_directory(config), extra_cflags=_flags(config),
+                              extra_ldflags=["-fopenmp"], stale_after_s=stale_after_s, clear_stale=clear_stale,
+                              verbose=verbose, is_python_module=False, log=logger)
 
 
 def load_ops(
