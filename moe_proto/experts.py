@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from .buffer_pool import HostBufferPool, default_pool
+from .ops import ACTIVATION_CODES, load_expert_ffn
 
 ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -262,6 +263,53 @@ class _FusedExpertFFN(torch.autograd.Function):
         return dx, None, None, None, dw1, db1, dw2, db2, dw3, db3
 
 
+class _CppExpertFFN(torch.autograd.Function):
+    """:class:`_FusedExpertFFN` for fp32 non-gated experts, the loop in C++ (:mod:`moe_proto.ops`).
+
+    Saves the activation's derivative instead of the pre-activation (same memory), so the
+    backward pass multiplies where the torch loop recomputes GELU's erf and exp.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: List[int], activation: str, pool: HostBufferPool,  # type: ignore[override]
+                ops: object, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor]) -> Tensor:
+        rows, ffn = x.shape[0], w1.shape[-1]
+        deriv, act = pool.empty((rows, ffn), x.dtype), pool.empty((rows, ffn), x.dtype)
+        y = pool.empty((rows, w2.shape[-1]), x.dtype)
+        ops.expert_ffn_forward(x, counts, ACTIVATION_CODES[activation], w1.detach(),
+                               None if b1 is None else b1.detach(), w2.detach(),
+                               None if b2 is None else b2.detach(), deriv, act, y)
+        ctx.counts, ctx.pool, ctx.ops = counts, pool, ops
+        ctx.save_for_backward(x, w1, w2, deriv, act)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: Tensor):  # type: ignore[override]
+        x, w1, w2, deriv, act = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[0], *ctx.needs_input_grad[5:9]
+        pool = ctx.pool
+        num_experts, ffn, hidden = w1.shape[0], w1.shape[2], w2.shape[2]
+        dx = pool.empty(x.shape, x.dtype) if need_x else None
+        dw1 = pool.empty(w1.shape, w1.dtype) if need_w1 else None
+        db1 = pool.empty((num_experts, ffn), w1.dtype) if need_b1 else None
+        dw2 = pool.empty(w2.shape, w2.dtype) if need_w2 else None
+        db2 = pool.empty((num_experts, hidden), w2.dtype) if need_b2 else None
+        d_buf = pool.empty((max(ctx.counts, default=0), ffn), x.dtype)
+        ctx.ops.expert_ffn_backward(grad_y.contiguous(), x, deriv, act, w1.detach(), w2.detach(), ctx.counts, dx,
+                                    dw1, db1, dw2, db2, d_buf)
+        return dx, None, None, None, None, dw1, db1, dw2, db2
+
+
+def _cpp_ops_for(x: Tensor, activation: str, weights: Tuple[Optional[Tensor], ...]) -> Optional[object]:
+    """The C++ op module when it takes these operands (fp32, contiguous, non-gated activation), else None."""
+    if activation not in ACTIVATION_CODES or x.dtype != torch.float32:
+        return None
+    if any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous()) for w in weights):
+        return None
+    return load_expert_ffn()
+
+
 def _linear_out(x: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> None:
     """``out = x @ w (+ b)`` written in place.
 
@@ -276,7 +324,8 @@ def _linear_out(x: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> None:
 
 def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: Tensor, b1: Optional[Tensor],
                      w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor] = None,
-                     b3: Optional[Tensor] = None, pool: Optional[HostBufferPool] = None) -> Tensor:
+                     b3: Optional[Tensor] = None, pool: Optional[HostBufferPool] = None,
+                     use_cpp: bool = True) -> Tensor:
     """Expert FFN ``act(x W1 + b1) [* (x W3 + b3)] W2 + b2`` per expert's rows, fused per expert.
 
     Same maths as composing :func:`grouped_matmul` with the activation (that path stays in
@@ -284,7 +333,9 @@ def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: 
     faster on CPU; see :class:`_FusedExpertFFN` for why. Reads ``tokens_per_expert`` once
     as a Python list (free on CPU). Not twice differentiable. Its activations, saved tensors
     and gradients come from ``pool`` (default :func:`moe_proto.buffer_pool.default_pool`), so a
-    training loop does not page-fault them in again every step.
+    training loop does not page-fault them in again every step. With ``use_cpp`` (the default),
+    fp32 experts with a non-gated activation run the loop in C++ (:mod:`moe_proto.ops`; the torch
+    loop when it cannot be built).
 
     Example::
 
@@ -295,8 +346,12 @@ def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: 
         raise ValueError(f"tokens_per_expert sums to {sum(counts)} but the buffer has {x.shape[0]} rows")
     if len(counts) != w1.shape[0]:
         raise ValueError(f"tokens_per_expert has {len(counts)} entries for {w1.shape[0]} experts")
-    return _FusedExpertFFN.apply(x.contiguous(), counts, activation, pool or default_pool(), w1, b1, w2, b2, w3,
-                                 b3)
+    x = x.contiguous()
+    pool = pool or default_pool()
+    ops = _cpp_ops_for(x, activation, (w1, b1, w2, b2)) if use_cpp and w3 is None else None
+    if ops is not None:
+        return _CppExpertFFN.apply(x, counts, activation, pool, ops, w1, b1, w2, b2)
+    return _FusedExpertFFN.apply(x, counts, activation, pool, w1, b1, w2, b2, w3, b3)
 
 
 class GroupedExperts(nn.Module):
@@ -328,6 +383,8 @@ class GroupedExperts(nn.Module):
         self.fused_cpu = True
         # Where the fused loop's large buffers come from (buffer_pool.py); HostBufferPool(0) turns pooling off.
         self.buffer_pool = default_pool()
+        # fp32 non-gated experts: the fused loop in C++ (moe_proto/ops.py); False keeps the torch loop.
+        self.cpp_ffn = True
         gated = activation in GATED_ACTIVATIONS
         kw = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **kw))
@@ -355,7 +412,7 @@ class GroupedExperts(nn.Module):
         """``[R, d]`` expert-major rows (``tokens_per_expert[e]`` rows for expert e) -> ``[R, d]``."""
         if self.fused_cpu and x.device.type == "cpu" and x.dim() == 2:
             return fused_expert_ffn(x, tokens_per_expert, self.activation, self.w1, self.b1, self.w2, self.b2,
-                                    self.w3, self.b3, pool=self.buffer_pool)
+                                    self.w3, self.b3, pool=self.buffer_pool, use_cpp=self.cpp_ffn)
         row_expert = None
         if self.b1 is not None:
             experts = torch.arange(self.num_experts, device=x.device)

@@ -1,0 +1,112 @@
+"""moe_proto.ops: the C++ expert FFN against torch's activations, autograd and the torch loop."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_proto import ops
+from moe_proto.experts import GroupedExperts
+
+REFERENCE = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    module = ops.load_expert_ffn()
+    if module is None:
+        pytest.fail(f"the C++ expert FFN did not build here: {ops._state['failed']}")
+    return module
+
+
+@pytest.mark.parametrize("activation", sorted(ops.ACTIVATION_CODES))
+def test_activation_and_derivative_match_torch(cpp, activation):
+    v = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([0.0, -0.0, 1e-8, -1e-8, 40.0, -40.0, 100.0,
+                                                                -100.0])])
+    """Against float64 torch: within a few float32 ulps, and no worse than torch's own float32 kernels (x1.5)."""
+    f, df = cpp.activation_with_derivative(v, ops.ACTIVATION_CODES[activation])
+    v64 = v.double().requires_grad_()
+    want = REFERENCE[activation](v64)
+    want.sum().backward()
+    v32 = v.clone().requires_grad_()
+    torch32 = REFERENCE[activation](v32)
+    torch32.sum().backward()
+    for ours, theirs, exact in ((f, torch32.detach(), want.detach()), (df, v32.grad, v64.grad)):
+        torch.testing.assert_close(ours.double(), exact, rtol=1e-6, atol=1.5e-6)
+        assert (ours.double() - exact).abs().max() <= 1.5 * (theirs.double() - exact).abs().max() + 1e-12
+    if activation == "relu":  # the derivative at exactly 0 is 0 in torch and here
+        assert torch.equal(df, (v > 0).float())
+
+
+@pytest.mark.parametrize("activation", sorted(ops.ACTIVATION_CODES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpp_loop_equals_the_torch_loop(cpp, activation, bias):
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 24, 40, activation=activation, bias=bias)
+    counts = torch.tensor([11, 0, 30, 7])  # an empty expert: zero gradients, not garbage
+    x = torch.randn(48, 24)
+    grad = torch.randn(48, 24)
+    results = []
+    for use_cpp in (True, False):
+        experts.cpp_ffn = use_cpp
+        experts.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = experts(xx, counts)
+        y.backward(grad)
+        results.append((y.detach(), xx.grad, {n: p.grad.clone() for n, p in experts.named_parameters()}))
+    (y_c, dx_c, g_c), (y_t, dx_t, g_t) = results
+    torch.testing.assert_close(y_c, y_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_c, dx_t, rtol=1e-5, atol=1e-5)
+    for name in g_t:
+        torch.testing.assert_close(g_c[name], g_t[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert torch.count_nonzero(g_c["w1"][1]) == 0 and torch.count_nonzero(g_c["w2"][1]) == 0
+
+
+def test_cpp_loop_with_frozen_weights_a_stride0_gradient_and_rows_past_the_counts(cpp):
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 8, 16, activation="gelu", bias=True)
+    experts.w1.requires_grad_(False)
+    experts.b1.requires_grad_(False)
+    x = torch.randn(7, 8, requires_grad=True)
+    experts(x, torch.tensor([3, 4, 0])).sum().backward()  # sum() hands back a stride-0 gradient
+    assert x.grad is not None and experts.w1.grad is None and experts.b1.grad is None
+    assert experts.w2.grad is not None and experts.b2.grad is not None
+
+
+def test_other_dtypes_and_gated_experts_keep_the_torch_loop(cpp):
+    x = torch.randn(4, 8, dtype=torch.float64)
+    experts = GroupedExperts(2, 8, 16, dtype=torch.float64)
+    y = experts(x, torch.tensor([1, 3]))
+    assert y.dtype == torch.float64 and y.grad_fn.name().startswith("_FusedExpertFFN")
+    swiglu = GroupedExperts(2, 8, 16, activation="swiglu")
+    assert swiglu(torch.randn(4, 8), torch.tensor([2, 2])).grad_fn.name().startswith("_FusedExpertFFN")
+    gelu = GroupedExperts(2, 8, 16)
+    assert gelu(torch.randn(4, 8), torch.tensor([2, 2])).grad_fn.name().startswith("_CppExpertFFN")
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setitem(ops._state, "module", None)
+    monkeypatch.setitem(ops._state, "failed", None)
+
+    def broken(**kwargs):
+        raise RuntimeError("simulated: error: command 'c++' failed")
+
+    monkeypatch.setattr(ops.jit_build, "build_extension", broken)
+    experts = GroupedExperts(2, 8, 16)
+    with caplog.at_level(logging.WARNING, logger="moe_proto.ops"):
+        for _ in range(3):
+            y = experts(torch.randn(4, 8), torch.tensor([1, 3]))
+            assert y.grad_fn.name().startswith("_FusedExpertFFN")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "simulated" in warnings[0].getMessage()
+    assert "--prebuild" in warnings[0].getMessage()
+
+
+def test_the_build_folder_is_keyed_by_cpu_kind(tmp_path):
+    assert ops.build_directory("x86-64-v2", tmp_path) == tmp_path / "moe_proto_cpu-x86-64-v2"
+    assert ops.build_directory("native", tmp_path).name.startswith("moe_proto_cpu-native-")
