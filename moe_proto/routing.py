@@ -300,8 +300,20 @@ def route(
         routed_per_expert=routed,
         capacity=capacity,
         aux_loss=aux,
-        z_loss=router_z_loss(logits, num_prototypes, token_mask),
+        z_loss=_z_loss_from_softmax(logits_g, local, raw_gate, token_mask)
+        if not sigmoid and selection_noise is None and expert_bias is None
+        else router_z_loss(logits, num_prototypes, token_mask),
     )
+
+
+def _z_loss_from_softmax(logits_g: Tensor, local: Tensor, raw_gate: Tensor, token_mask: Optional[Tensor]) -> Tensor:
+    """:func:`router_z_loss` from the softmax already taken: ``logsumexp = l_j - log p_j`` for any expert j.
+
+    j is each group's first choice, its most probable expert when nothing but the scores chose
+    (so ``p_j >= 1/G`` and the log is well conditioned); no second pass over the logits.
+    """
+    lse = logits_g.gather(-1, local[..., :1]).squeeze(-1) - raw_gate[..., 0].log()
+    return _masked_mean(lse.square().mean(dim=1), token_mask)
 
 
 def route_deepspeed_top1(logits: Tensor, capacity_factor: Optional[float], min_capacity: int,

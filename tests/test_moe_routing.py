@@ -248,3 +248,17 @@ def test_bad_arguments(kwargs, match):
         route(torch.randn(4, 4), **kwargs)
     with pytest.raises(ValueError, match="logits must be"):
         route(torch.randn(4))
+
+
+@pytest.mark.parametrize("top_k,prototypes", [(1, 1), (2, 1), (1, 2), (3, 2)])
+def test_z_loss_from_the_softmax_equals_logsumexp_and_its_gradient(top_k, prototypes):
+    """route() takes logsumexp from its softmax (l_j - log p_j at the top choice): same value and gradient."""
+    logits = (4 * torch.randn(64, 8, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    mask = torch.arange(64) % 5 != 0
+    rec = route(logits, top_k=top_k, num_prototypes=prototypes, capacity_factor=None, used_token=mask)
+    (grad_fast, ) = torch.autograd.grad(rec.z_loss, logits)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = router_z_loss(ref_logits, prototypes, mask)
+    ref.backward()
+    torch.testing.assert_close(rec.z_loss, ref)
+    torch.testing.assert_close(grad_fast, ref_logits.grad)
