@@ -41,8 +41,12 @@ DEFAULT_MIN_BYTES = 256 << 10
 _CLASSES_PER_DOUBLING = 8
 
 
+# References to a storage (torch >= 2.1); without it nothing can be known free, so nothing is pooled.
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)
+    return _STORAGE_USE_COUNT(storage._cdata)
 
 
 def size_class(nbytes: int) -> int:
@@ -105,7 +109,7 @@ class HostBufferPool:
             numel *= s
         nbytes = numel * torch.empty((), dtype=dtype).element_size() if numel else 0
         if (device is not None and torch.device(device).type != "cpu") or nbytes < max(self.min_bytes, 1) \
-                or nbytes > self.max_bytes:
+                or nbytes > self.max_bytes or _STORAGE_USE_COUNT is None:
             with self._lock:
                 self._bypasses += 1
             return torch.empty(shape, dtype=dtype, device=device)
