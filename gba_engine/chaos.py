@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Iterable, Literal
 
@@ -134,7 +135,8 @@ class ChaosInjector:
         if self.record is None:
             return
         self.record.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({**dataclasses.asdict(fault), "pid": os.getpid(), "trained": self.trained})
+        line = json.dumps({**dataclasses.asdict(fault), "pid": os.getpid(), "trained": self.trained,
+                           "at": time.time()})
         with open(self.record / f"faults-{self.rank}.jsonl", "a") as f:
             f.write(line + "\n")
             f.flush()
