@@ -32,6 +32,13 @@ vs 130-158 ms fused vs 121-146 ms ideal over runs on the loaded machine, fused/i
 0.86-1.0 for top-1 and about 1.07 for top-2 (medians of 15, thread CPU time).
 ``GroupedExperts.fused_cpu = False`` restores the grouped_matmul composition.
 
+Two more steps on CPU (issue 14; 2-core Xeon, same shapes, the router's uneven loads, forward +
+backward, median of 15 interleaved runs): the loop's large buffers come from
+:mod:`moe_proto.buffer_pool` instead of fresh allocations (87-91 ms against 104-111 ms, which page-faulted
+7,700-18,400 times a step), and fp32 experts with a non-gated activation run the loop in C++
+(:mod:`moe_proto.ops`: 76.8 ms against 83.1 ms for the pooled torch loop at top-1 rows, 147.6 against
+158.2 ms at top-2 rows). ``GroupedExperts.cpp_ffn = False`` keeps the torch loop.
+
 Expert parameters carry DeepSpeed's markers (``allreduce=False``,
 ``group_name="ep_size_{ep_size}"``), as ``deepspeed.moe.experts.Experts`` sets them.
 

@@ -43,28 +43,35 @@ def test_activation_and_derivative_match_torch(cpp, activation):
         assert torch.equal(df, (v > 0).float())
 
 
-@pytest.mark.parametrize("activation", sorted(ops.ACTIVATION_CODES))
-@pytest.mark.parametrize("bias", [True, False])
-def test_cpp_loop_equals_the_torch_loop(cpp, activation, bias):
+def _forward_backward(experts, x, counts, grad):
+    experts.zero_grad(set_to_none=True)
+    xx = x.clone().requires_grad_()
+    y = experts(xx, counts)
+    y.backward(grad)
+    return y.detach(), xx.grad, {n: p.grad.clone() for n, p in experts.named_parameters()}
+
+
+# CPU paths of GroupedExperts: (fused_cpu, cpp_ffn); the grouped_matmul composition is the reference.
+PATHS = {"C++ loop": (True, True), "torch loop": (True, False)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("activation,bias", [(a, b) for a in sorted(ops.ACTIVATION_CODES) for b in (True, False)]
+                         + [("swiglu", True), ("swiglu", False)])
+def test_cpu_paths_equal_the_grouped_matmul_composition(cpp, path, activation, bias):
     torch.manual_seed(0)
     experts = GroupedExperts(4, 24, 40, activation=activation, bias=bias)
     counts = torch.tensor([11, 0, 30, 7])  # an empty expert: zero gradients, not garbage
-    x = torch.randn(48, 24)
-    grad = torch.randn(48, 24)
-    results = []
-    for use_cpp in (True, False):
-        experts.cpp_ffn = use_cpp
-        experts.zero_grad(set_to_none=True)
-        xx = x.clone().requires_grad_()
-        y = experts(xx, counts)
-        y.backward(grad)
-        results.append((y.detach(), xx.grad, {n: p.grad.clone() for n, p in experts.named_parameters()}))
-    (y_c, dx_c, g_c), (y_t, dx_t, g_t) = results
-    torch.testing.assert_close(y_c, y_t, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dx_c, dx_t, rtol=1e-5, atol=1e-5)
-    for name in g_t:
-        torch.testing.assert_close(g_c[name], g_t[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert torch.count_nonzero(g_c["w1"][1]) == 0 and torch.count_nonzero(g_c["w2"][1]) == 0
+    x, grad = torch.randn(48, 24), torch.randn(48, 24)
+    experts.fused_cpu, experts.cpp_ffn = PATHS[path]
+    y_p, dx_p, g_p = _forward_backward(experts, x, counts, grad)
+    experts.fused_cpu = False
+    y_r, dx_r, g_r = _forward_backward(experts, x, counts, grad)
+    torch.testing.assert_close(y_p, y_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_p, dx_r, rtol=1e-5, atol=1e-5)
+    for name in g_r:
+        torch.testing.assert_close(g_p[name], g_r[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert torch.count_nonzero(g_p["w1"][1]) == 0 and torch.count_nonzero(g_p["w2"][1]) == 0
 
 
 def test_cpp_loop_with_frozen_weights_a_stride0_gradient_and_rows_past_the_counts(cpp):
