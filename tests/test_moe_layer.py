@@ -283,3 +283,16 @@ def test_the_finiteness_check_passes_masked_nan_tokens_and_logits_whose_sum_over
     assert torch.isfinite(moe(torch.ones(8, D) / D)[0]).all()  # every logit 3e37: finite, their sum is not
     with pytest.raises(FloatingPointError, match="1 of 8 tokens"):
         moe(x)
+
+
+def test_router_logits_function_has_linears_gradients():
+    from moe_proto.layer import _RouterLogits
+
+    x = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_RouterLogits.apply, (x, w))
+    g = torch.randn(12, 4, dtype=torch.float64)
+    ours = torch.autograd.grad(_RouterLogits.apply(x, w), (x, w), g)
+    ref = torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), g)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
