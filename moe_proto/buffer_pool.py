@@ -107,7 +107,7 @@ class HostBufferPool:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size() if numel else 0
+        nbytes = numel * dtype.itemsize
         if (device is not None and torch.device(device).type != "cpu") or nbytes < max(self.min_bytes, 1) \
                 or nbytes > self.max_bytes or _STORAGE_USE_COUNT is None:
             with self._lock:
