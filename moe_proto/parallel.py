@@ -242,7 +242,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _rows_like(x: Tensor, rows: int) -> Tensor:
-    """An uninitialised ``[rows, x.shape[1]]`` tensor like ``x``; large CPU ones come from the layer's buffer pool."""
+    """An uninitialised ``[rows, x.shape[1]]`` tensor like ``x``; large CPU ones come from the default buffer pool.
+
+    The default pool, not the layer's: these functions see no layer (a model's own pool, from
+    ``moe_proto.host_buffer_pool_mb``, holds the experts' buffers).
+    """
     return default_pool().empty((rows, x.shape[1]), x.dtype, x.device)
 
 
