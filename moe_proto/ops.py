@@ -1,10 +1,15 @@
-"""moe_proto's C++ CPU op: the expert FFN loop with the activation and its derivative in one pass.
+"""moe_proto's C++ CPU ops, one library: the expert FFN loop and two backward kernels of the layer.
 
-``csrc/expert_ffn.cpp`` is JIT-built once (``torch.utils.cpp_extension`` through
+* ``csrc/expert_ffn.cpp``: the expert FFN loop with the activation and its derivative in one pass;
+* ``csrc/combine_grad.cpp``: both gradients of the combine in one pass (``moe_proto.dispatch``);
+* ``csrc/router_grad.cpp``: the router's input gradient added to the dispatch's (``moe_proto.layer``).
+
+They are JIT-built once (``torch.utils.cpp_extension`` through
 :mod:`sparse_scale.base.jit_build`: a cache folder per CPU kind, stale build locks
 named or cleared) into ``<torch extensions>/moe_proto_cpu-<build key>``. Without a
 compiler, or when the build fails, :func:`load_expert_ffn` logs one warning and returns
-None, and :class:`moe_proto.experts.GroupedExperts` keeps its pure-torch loop.
+None, and every caller keeps its torch expression (:class:`moe_proto.experts.GroupedExperts`
+its pure-torch loop).
 
 What it saves, measured on this project's 2-core Xeon (S=4096, d=256, ffn=1024, E=16,
 one thread, forward+backward of the expert stage with the router's uneven loads, median of
@@ -37,7 +42,8 @@ from sparse_scale.base import jit_build
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "moe_proto_cpu"
-SOURCES = (Path(__file__).resolve().parent / "csrc" / "expert_ffn.cpp", )
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
+                for name in ("expert_ffn.cpp", "combine_grad.cpp", "router_grad.cpp", "bindings.cpp"))
 STALE_LOCK_S = 600.0  # the build takes about 20 s on 2 cores; a lock this old with no live builder is dead
 # Activation codes of the C++ kernels (activations without one run in the torch loop).
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}

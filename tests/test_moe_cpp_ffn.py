@@ -1,4 +1,5 @@
-"""moe_proto.ops: the C++ expert FFN against torch's activations, autograd and the torch loop."""
+"""moe_proto.ops: the C++ expert FFN against torch's activations, autograd and the torch loop; the combine's and
+the router's backward kernels against the torch expressions they replace."""
 import logging
 
 import pytest
@@ -117,3 +118,57 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
 def test_the_build_folder_is_keyed_by_cpu_kind(tmp_path):
     assert ops.build_directory("x86-64-v2", tmp_path) == tmp_path / "moe_proto_cpu-x86-64-v2"
     assert ops.build_directory("native", tmp_path).name.startswith("moe_proto_cpu-native-")
+
+
+def test_combine_backward_kernel_matches_the_torch_expressions(cpp):
+    gen = torch.Generator().manual_seed(0)
+    tokens, rows, d = 37, 50, 21  # d not a multiple of a vector width
+    grad_out = torch.randn(tokens, d, generator=gen)
+    y = torch.randn(rows, d, generator=gen)
+    gate = torch.rand(rows, generator=gen)
+    token_index = torch.randint(0, tokens, (rows, ), generator=gen)
+    grad_y, grad_gate = torch.empty(rows, d), torch.empty(rows)
+    cpp.combine_backward(grad_out, y, gate, token_index, grad_y, grad_gate)
+    assert torch.equal(grad_y, gate[:, None] * grad_out[token_index])  # one product per element either way
+    torch.testing.assert_close(grad_gate, (grad_out[token_index] * y).sum(1), rtol=1e-6, atol=1e-6)
+    only_gate = torch.empty(rows)
+    cpp.combine_backward(grad_out, y, gate, token_index, None, only_gate)
+    assert torch.equal(only_gate, grad_gate)
+    with pytest.raises(RuntimeError, match="buffer row 3 names token 37 outside"):
+        bad = token_index.clone()
+        bad[3] = tokens
+        cpp.combine_backward(grad_out, y, gate, bad, grad_y, None)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpp.combine_backward(grad_out.double(), y, gate, token_index, grad_y, None)
+
+
+def test_add_router_input_grad_kernel_matches_addmm(cpp):
+    gen = torch.Generator().manual_seed(1)
+    grad_x, grad_logits, w = torch.randn(33, 19, generator=gen), torch.randn(33, 5, generator=gen), \
+        torch.randn(5, 19, generator=gen)
+    out = torch.empty_like(grad_x)
+    cpp.add_router_input_grad(grad_x, grad_logits, w, out)
+    torch.testing.assert_close(out, torch.addmm(grad_x, grad_logits, w), rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpp.add_router_input_grad(grad_x, grad_logits, torch.randn(5, 7), out)
+
+
+def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch):
+    """The layer with every C++ kernel against the layer with none (each falls back to its torch expression)."""
+    from moe_proto import MoE, dispatch, experts, layer
+
+    def grads():
+        torch.manual_seed(0)
+        moe = MoE(16, None, 4, k=2, ffn_hidden_size=24, capacity_factor=1.0, use_rts=False,
+                  top2_2nd_expert_sampling=False)
+        x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        out, l_aux, _ = moe(x)
+        (out.square().sum() + l_aux).backward()
+        return [x.grad] + [p.grad for p in moe.parameters()]
+
+    with_cpp = grads()
+    for module in (dispatch, experts, layer):
+        monkeypatch.setattr(module, "load_expert_ffn", lambda: None)
+    without = grads()
+    for a, b in zip(with_cpp, without):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -290,9 +290,38 @@ def test_router_logits_function_has_linears_gradients():
 
     x = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_RouterLogits.apply, (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: _RouterLogits.apply(a, b), (x, w))
     g = torch.randn(12, 4, dtype=torch.float64)
-    ours = torch.autograd.grad(_RouterLogits.apply(x, w), (x, w), g)
+    ours = torch.autograd.grad(_RouterLogits.apply(x, w)[0], (x, w), g)
     ref = torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), g)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("alias_grad", ["fresh", "shared", "none"])
+def test_router_logits_second_output_sums_both_gradients_of_the_input(alias_grad):
+    """The router's view of x carries the dispatch's gradient; the router adds its own into it (in place only
+    when nothing else holds that gradient) and the result is x's gradient through both uses."""
+    from moe_proto.layer import _RouterLogits
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 6, generator=gen, requires_grad=True)
+    w = torch.randn(4, 6, generator=gen, requires_grad=True)
+    g = torch.randn(10, 4, generator=gen)
+    rows = torch.tensor([3, 1, 1, 7])
+    kept = []
+
+    def use(xv):
+        if alias_grad == "none":
+            return xv.sum() * 0
+        if alias_grad == "shared":  # a hook keeps the incoming gradient: it must not be changed under it
+            xv.register_hook(lambda grad: kept.append((grad, grad.clone())))
+        return (xv[rows] * 2).sum()
+
+    logits, xv = _RouterLogits.apply(x, w)
+    ours = torch.autograd.grad((logits * g).sum() + use(xv), (x, w))
+    ref = torch.autograd.grad((torch.nn.functional.linear(x, w) * g).sum() + use(x), (x, w))
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+    for held, copy in kept:
+        assert torch.equal(held, copy)

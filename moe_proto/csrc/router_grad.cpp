@@ -1,0 +1,35 @@
+// The router's input gradient added to the dispatch's in one pass (see moe_proto/layer.py, _RouterLogits):
+//   out[t] = grad_x[t] + sum_e grad_logits[t, e] * w[e]      (w is the router weight, [E, d] with E small)
+// Autograd would write grad_logits @ w to a new [S, d] tensor and add the two: three passes over [S, d] more.
+#include "ops.h"
+
+#include <cstdint>
+
+void add_router_input_grad(const at::Tensor& grad_x, const at::Tensor& grad_logits, const at::Tensor& w,
+                           at::Tensor& out) {
+  for (const at::Tensor* t : {&grad_x, &grad_logits, &w, static_cast<const at::Tensor*>(&out)}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2,
+                "moe_proto add_router_input_grad: every operand must be a contiguous 2-d float32 CPU tensor");
+  }
+  const int64_t tokens = grad_x.size(0), d = grad_x.size(1), experts = w.size(0);
+  TORCH_CHECK(w.size(1) == d && grad_logits.size(0) == tokens && grad_logits.size(1) == experts &&
+                  out.size(0) == tokens && out.size(1) == d,
+              "moe_proto add_router_input_grad: shapes do not match (grad_x [S, d], grad_logits [S, E], w [E, d])");
+  const float* gx = grad_x.data_ptr<float>();
+  const float* gl = grad_logits.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* __restrict src = gx + t * d;
+    const float* __restrict coef = gl + t * experts;
+    float* __restrict dst = o + t * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) dst[j] = src[j];
+    for (int64_t e = 0; e < experts; ++e) {
+      const float c = coef[e];
+      const float* __restrict we = wp + e * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) dst[j] += c * we[j];
+    }
+  }
+}
