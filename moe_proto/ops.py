@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "moe_proto_cpu"
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
-                for name in ("expert_ffn.cpp", "combine_grad.cpp", "router_grad.cpp", "bindings.cpp"))
+                for name in ("expert_ffn.cpp", "combine_grad.cpp", "router_grad.cpp", "route_slots.cpp",
+                             "bindings.cpp"))
 STALE_LOCK_S = 600.0  # the build takes about 20 s on 2 cores; a lock this old with no live builder is dead
 # Activation codes of the C++ kernels (activations without one run in the torch loop).
 ACTIVATION_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}

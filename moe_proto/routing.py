@@ -485,6 +485,11 @@ def _select_topk(logits_g: Tensor, probs_g: Tensor, top_k: int, noise: Optional[
     """
     if noise is None:
         if top_k == 1 and probs_g.device.type == "cpu":
+            ops = _cpu_ops() if probs_g.dtype == torch.float32 else None
+            if ops is not None:
+                indices, unique = ops.select_top1(probs_g.detach().contiguous())
+                if unique:  # else a tie or NaN somewhere: topk decides, below
+                    return indices, probs_g.gather(-1, indices)
             values, indices = probs_g.max(dim=-1, keepdim=True)
             # max and topk agree whenever the maximum is unique; rows with a tie (or NaN) are the
             # only ones where CPU topk's choice can differ, so then topk decides, as before.
@@ -518,6 +523,14 @@ def _assign_slots(expert_index: Tensor, eligible: Optional[Tensor], num_experts:
     routes instead of S*K: 0.5 instead of 1.4 ms at S=4096, E=16).
     """
     s, k = expert_index.shape
+    ops = _cpu_ops() if expert_index.device.type == "cpu" and (
+        priority is None or priority.dtype == torch.float32) else None
+    if ops is not None:  # one pass in C++; it declines only for NaN priorities (argsort's NaN order decides)
+        keep, slot, routed, kept, done = ops.assign_slots(
+            expert_index.contiguous(), None if eligible is None else eligible.reshape(-1).contiguous(), num_experts,
+            -1 if capacity is None else capacity, None if priority is None else priority.reshape(-1).contiguous())
+        if done:
+            return keep.view(s, k), slot.view(s, k), routed, kept
     flat = expert_index.reshape(-1)
     # Ineligible routes sort behind every expert (key E) so they take no rank.
     key = flat if eligible is None else torch.where(eligible.reshape(-1), flat, num_experts)
@@ -545,6 +558,13 @@ def _assign_slots(expert_index: Tensor, eligible: Optional[Tensor], num_experts:
     rank = rank.index_put((kept_cand, ), _rank_within_key(kept_key, torch.argsort(kept_key, stable=True),
                                                           num_experts))
     return keep.view(s, k), torch.where(keep, rank, -1).view(s, k), routed, kept
+
+
+def _cpu_ops() -> Optional[object]:
+    """moe_proto's C++ op library (``select_top1``, ``assign_slots``), or None: the torch expressions run."""
+    from .ops import load_expert_ffn  # deferred: the library builds on first use, not on import
+
+    return load_expert_ffn()
 
 
 def _rank_within_key(key: Tensor, order: Tensor, num_experts: int, counts: Optional[Tensor] = None) -> Tensor:

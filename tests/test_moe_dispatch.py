@@ -237,3 +237,36 @@ def test_parallel_permute_rows_gradcheck_and_matches_index_select():
     want, = torch.autograd.grad(x.index_select(0, index), x, grad)
     assert torch.equal(_PermuteRows.apply(x, index, inverse), x.index_select(0, index))
     assert torch.equal(got, want)
+
+
+def test_cpp_routing_decisions_equal_the_torch_expressions(monkeypatch):
+    """select_top1 and assign_slots from moe_proto's C++ library against the torch path they stand in for,
+    with tied scores and priorities, masks, NaN priorities (the C++ side declines; torch decides) and every policy."""
+    from moe_proto import ops
+
+    lib = ops.load_expert_ffn()
+    assert lib is not None, ops._state["failed"]
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.softmax(torch.randint(0, 4, (200, 2, 8), generator=gen).float(), -1)
+    _, unique = lib.select_top1(scores)
+    assert not unique  # ties: the caller must take topk's choice
+    scores = torch.softmax(torch.randn(200, 2, 8, generator=gen), -1)
+    index, unique = lib.select_top1(scores)
+    assert unique and torch.equal(index, scores.max(-1, keepdim=True).indices)
+
+    cases = []
+    for s, e, k in itertools.product([1, 40, 300], [4, 16], [1, 2]):
+        expert_index = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(s)])
+        expert_index[: s // 3, 0] = 1
+        eligible = torch.rand(s, 1, generator=gen).expand(s, k) > 0.2
+        nan_priority = torch.rand(s, k, generator=gen)
+        nan_priority[0, 0] = float("nan")
+        for capacity, priority, mask in itertools.product(
+                [None, 0, 3, s // 5 + 1], [None, torch.randint(0, 3, (s, k), generator=gen).float(),
+                                           torch.rand(s, k, generator=gen), nan_priority], [None, eligible]):
+            cases.append((expert_index, mask, e, capacity, priority))
+    with_cpp = [routing._assign_slots(*case) for case in cases]
+    monkeypatch.setattr(routing, "_cpu_ops", lambda: None)
+    for case, ours in zip(cases, with_cpp):
+        for a, b in zip(ours, routing._assign_slots(*case)):
+            assert torch.equal(a, b), (case[0].shape, case[3], case[4] is not None)

@@ -7,4 +7,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("activation_with_derivative", &activation_with_derivative, py::call_guard<py::gil_scoped_release>());
   m.def("combine_backward", &combine_backward, py::call_guard<py::gil_scoped_release>());
   m.def("add_router_input_grad", &add_router_input_grad, py::call_guard<py::gil_scoped_release>());
+  m.def("select_top1", &select_top1, py::call_guard<py::gil_scoped_release>());
+  m.def("assign_slots", &assign_slots, py::call_guard<py::gil_scoped_release>());
 }

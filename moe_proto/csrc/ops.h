@@ -24,3 +24,9 @@ void combine_backward(const at::Tensor& grad_out, const at::Tensor& y, const at:
 // router_grad.cpp: out = grad_x + grad_logits @ w, one pass over the rows.
 void add_router_input_grad(const at::Tensor& grad_x, const at::Tensor& grad_logits, const at::Tensor& w,
                            at::Tensor& out);
+
+// route_slots.cpp: routing decisions; ok=false where torch's tie or NaN order decides (the caller falls back).
+std::tuple<at::Tensor, bool> select_top1(const at::Tensor& scores);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> assign_slots(
+    const at::Tensor& expert_index, const c10::optional<at::Tensor>& eligible, int64_t num_experts,
+    int64_t capacity, const c10::optional<at::Tensor>& priority);
