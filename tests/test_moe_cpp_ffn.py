@@ -142,10 +142,11 @@ def test_combine_backward_kernel_matches_the_torch_expressions(cpp):
         cpp.combine_backward(grad_out.double(), y, gate, token_index, grad_y, None)
 
 
-def test_add_router_input_grad_kernel_matches_addmm(cpp):
+@pytest.mark.parametrize("width", [19, 70, 256])  # the vector blocks of 64 columns, a tail, and both
+def test_add_router_input_grad_kernel_matches_addmm(cpp, width):
     gen = torch.Generator().manual_seed(1)
-    grad_x, grad_logits, w = torch.randn(33, 19, generator=gen), torch.randn(33, 5, generator=gen), \
-        torch.randn(5, 19, generator=gen)
+    grad_x, grad_logits, w = torch.randn(33, width, generator=gen), torch.randn(33, 5, generator=gen), \
+        torch.randn(5, width, generator=gen)
     out = torch.empty_like(grad_x)
     cpp.add_router_input_grad(grad_x, grad_logits, w, out)
     torch.testing.assert_close(out, torch.addmm(grad_x, grad_logits, w), rtol=1e-6, atol=1e-6)
