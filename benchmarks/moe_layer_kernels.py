@@ -54,14 +54,14 @@ def torch_paths() -> Iterator[None]:
     def route_without_alias(self, x, used_token, sequence_length):
         return route(self, x, used_token, sequence_length)[0], x
 
-    saved = (layer.load_expert_ffn, dispatch.load_expert_ffn, routing._cpu_ops)
+    saved = (layer.load_cpu_ops, dispatch.load_cpu_ops, routing._cpu_ops)
     layer.MoE._route = route_without_alias
-    layer.load_expert_ffn = dispatch.load_expert_ffn = routing._cpu_ops = lambda: None
+    layer.load_cpu_ops = dispatch.load_cpu_ops = routing._cpu_ops = lambda: None
     try:
         yield
     finally:
         layer.MoE._route = route
-        layer.load_expert_ffn, dispatch.load_expert_ffn, routing._cpu_ops = saved
+        layer.load_cpu_ops, dispatch.load_cpu_ops, routing._cpu_ops = saved
 
 
 def run(cfg, modes: Sequence[str], reps: int, warmup: int = 2) -> List[Tuple[str, float, float]]:

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .buffer_pool import default_pool
-from .ops import load_expert_ffn
+from .ops import load_cpu_ops
 from .routing import RoutingRecord
 
 
@@ -229,7 +229,7 @@ def _cpp_ops(grad_out: Tensor, y: Tensor) -> Optional[object]:
     """moe_proto's C++ op library when it takes these operands (fp32 CPU), else None (the embedding_bag path)."""
     if grad_out.device.type != "cpu" or grad_out.dtype != torch.float32 or y.dtype != torch.float32:
         return None
-    return load_expert_ffn()
+    return load_cpu_ops()
 
 
 def _per_route_dot(grad_out: Tensor, y: Tensor, route_row: Tensor, route_offsets: Tensor,

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from .buffer_pool import HostBufferPool, default_pool
-from .ops import ACTIVATION_CODES, load_expert_ffn
+from .ops import ACTIVATION_CODES, load_cpu_ops
 
 ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -314,7 +314,7 @@ def _cpp_ops_for(x: Tensor, activation: str, weights: Tuple[Optional[Tensor], ..
         return None
     if any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous()) for w in weights):
         return None
-    return load_expert_ffn()
+    return load_cpu_ops()
 
 
 def _linear_out(x: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> None:

@@ -42,7 +42,7 @@ from .balance import ExpertBalance
 from .buffer_pool import default_pool
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
-from .ops import load_expert_ffn
+from .ops import load_cpu_ops
 from .routing import RoutingRecord, RoutingStats
 
 try:  # deriving from DeepSpeed's class is how its engine recognises MoE layers (isinstance checks)
@@ -103,7 +103,7 @@ class _RouterLogits(torch.autograd.Function):
 
 def _add_router_input_grad(grad_x: Tensor, grad: Tensor, w: Tensor) -> Tensor:
     """``grad_x + grad @ w`` into a pooled buffer: one C++ pass over the rows for fp32 CPU tensors."""
-    ops = load_expert_ffn() if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (grad_x, grad, w)) \
+    ops = load_cpu_ops() if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (grad_x, grad, w)) \
         else None
     if ops is None:
         return torch.addmm(grad_x, grad, w)

@@ -7,7 +7,7 @@
 They are JIT-built once (``torch.utils.cpp_extension`` through
 :mod:`sparse_scale.base.jit_build`: a cache folder per CPU kind, stale build locks
 named or cleared) into ``<torch extensions>/moe_proto_cpu-<build key>``. Without a
-compiler, or when the build fails, :func:`load_expert_ffn` logs one warning and returns
+compiler, or when the build fails, :func:`load_cpu_ops` logs one warning and returns
 None, and every caller keeps its torch expression (:class:`moe_proto.experts.GroupedExperts`
 its pure-torch loop).
 
@@ -24,7 +24,7 @@ Prebuild (``make venv`` does it, through ``python -m sparse_scale.prebuild``)::
 
 Example::
 
-    ops = load_expert_ffn()          # the module, or None (pure-torch fallback)
+    ops = load_cpu_ops()          # the module, or None (pure-torch fallback)
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def build_directory(march: str = "native", root: Optional[Path] = None) -> Path:
         f"{EXTENSION_NAME}-{jit_build.build_key(march, flags)}"
 
 
-def load_expert_ffn(*, verbose: bool = False, clear_stale: bool = True) -> Optional[object]:
+def load_cpu_ops(*, verbose: bool = False, clear_stale: bool = True) -> Optional[object]:
     """The built extension module (building it on first use), or None after one warning if it cannot be.
 
     A :class:`~sparse_scale.base.jit_build.StaleLockError` (``clear_stale=False``) is raised,
@@ -96,17 +96,17 @@ def load_expert_ffn(*, verbose: bool = False, clear_stale: bool = True) -> Optio
                 reason = f"{type(exc).__name__}: {str(exc).strip()[-2000:]}"
         if reason is not None:
             _state["failed"] = reason
-            logger.warning("moe_proto: the C++ expert FFN is unavailable, using the torch loop (slower on CPU). "
+            logger.warning("moe_proto: the C++ CPU ops are unavailable; the torch paths run (slower on CPU). "
                            "Reason: %s. Fix: install g++ and ninja, then run `python -m moe_proto.ops --prebuild`.",
                            reason)
             return None
-        logger.info("moe_proto C++ expert FFN ready in %.1f s (%s)", time.perf_counter() - started,
+        logger.info("moe_proto C++ CPU ops ready in %.1f s (%s)", time.perf_counter() - started,
                     build_directory())
         return _state["module"]
 
 
 def reset() -> None:
-    """Forget a failed build so the next :func:`load_expert_ffn` tries again (tests, or after installing g++)."""
+    """Forget a failed build so the next :func:`load_cpu_ops` tries again (tests, or after installing g++)."""
     with _lock:
         _state["failed"] = None
 
@@ -122,7 +122,7 @@ def main(argv: Optional[list] = None) -> int:
         parser.print_help()
         return 2
     try:
-        return 0 if load_expert_ffn(verbose=args.verbose) is not None else 1
+        return 0 if load_cpu_ops(verbose=args.verbose) is not None else 1
     except jit_build.StaleLockError as exc:
         logger.error("%s", exc)
         return 1

@@ -562,9 +562,9 @@ def _assign_slots(expert_index: Tensor, eligible: Optional[Tensor], num_experts:
 
 def _cpu_ops() -> Optional[object]:
     """moe_proto's C++ op library (``select_top1``, ``assign_slots``), or None: the torch expressions run."""
-    from .ops import load_expert_ffn  # deferred: the library builds on first use, not on import
+    from .ops import load_cpu_ops  # deferred: the library builds on first use, not on import
 
-    return load_expert_ffn()
+    return load_cpu_ops()
 
 
 def _rank_within_key(key: Tensor, order: Tensor, num_experts: int, counts: Optional[Tensor] = None) -> Tensor:

@@ -19,7 +19,7 @@ REFERENCE = {
 
 @pytest.fixture(scope="module")
 def cpp():
-    module = ops.load_expert_ffn()
+    module = ops.load_cpu_ops()
     if module is None:
         pytest.fail(f"the C++ expert FFN did not build here: {ops._state['failed']}")
     return module
@@ -169,7 +169,7 @@ def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch):
 
     with_cpp = grads()
     for module in (dispatch, experts, layer):
-        monkeypatch.setattr(module, "load_expert_ffn", lambda: None)
+        monkeypatch.setattr(module, "load_cpu_ops", lambda: None)
     without = grads()
     for a, b in zip(with_cpp, without):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

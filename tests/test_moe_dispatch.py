@@ -244,7 +244,7 @@ def test_cpp_routing_decisions_equal_the_torch_expressions(monkeypatch):
     with tied scores and priorities, masks, NaN priorities (the C++ side declines; torch decides) and every policy."""
     from moe_proto import ops
 
-    lib = ops.load_expert_ffn()
+    lib = ops.load_cpu_ops()
     assert lib is not None, ops._state["failed"]
     gen = torch.Generator().manual_seed(5)
     scores = torch.softmax(torch.randint(0, 4, (200, 2, 8), generator=gen).float(), -1)
