@@ -54,14 +54,15 @@ def torch_paths() -> Iterator[None]:
     def route_without_alias(self, x, used_token, sequence_length):
         return route(self, x, used_token, sequence_length)[0], x
 
-    saved = (layer.load_cpu_ops, dispatch.load_cpu_ops, routing._cpu_ops)
+    saved = (layer.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops)
     layer.MoE._route = route_without_alias
-    layer.load_cpu_ops = dispatch.load_cpu_ops = routing._cpu_ops = lambda: None
+    layer.cpu_ops_for = dispatch.cpu_ops_for = lambda *tensors: None
+    routing.load_cpu_ops = lambda: None
     try:
         yield
     finally:
         layer.MoE._route = route
-        layer.load_cpu_ops, dispatch.load_cpu_ops, routing._cpu_ops = saved
+        layer.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops = saved
 
 
 def run(cfg, modes: Sequence[str], reps: int, warmup: int = 2) -> List[Tuple[str, float, float]]:
@@ -92,6 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--reps", type=int, default=14, help="pairs of steps per variant")
     parser.add_argument("--modes", default=",".join(m.name for m in bench.MODES))
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = sorted(set(modes) - {m.name for m in bench.MODES})
     if unknown:

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .buffer_pool import default_pool
-from .ops import load_cpu_ops
+from .ops import cpu_ops_for
 from .routing import RoutingRecord
 
 
@@ -206,12 +206,12 @@ class _Combine(torch.autograd.Function):
         y_acc, gate_acc, token_index, route_row, route_offsets, route_token = ctx.saved_tensors
         g = grad_out.to(y_acc.dtype).contiguous()
         grad_y = grad_gate = None
-        ops = _cpp_ops(g, y_acc)
+        ops = cpu_ops_for(g, y_acc)
         if ops is not None:  # both gradients in one pass over the buffer rows, the gate's in buffer order
             need_y, need_gate = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             grad_y = default_pool().empty(y_acc.shape, y_acc.dtype, y_acc.device) if need_y else None
             grad_gate = torch.empty_like(gate_acc) if need_gate else None
-            ops.combine_backward(g, y_acc, gate_acc.contiguous(), token_index, grad_y, grad_gate)
+            ops.combine_backward(g, y_acc, gate_acc.contiguous(), token_index.contiguous(), grad_y, grad_gate)
             return (None if grad_y is None else grad_y.to(ctx.y_dtype),
                     None if grad_gate is None else grad_gate.to(ctx.gate_dtype), None, None, None, None)
         if ctx.needs_input_grad[0]:
@@ -223,13 +223,6 @@ class _Combine(torch.autograd.Function):
             per_route = _per_route_dot(g, y_acc, route_row, route_offsets, route_token)
             grad_gate = torch.empty_like(per_route).index_copy_(0, route_row, per_route).to(ctx.gate_dtype)
         return grad_y, grad_gate, None, None, None, None
-
-
-def _cpp_ops(grad_out: Tensor, y: Tensor) -> Optional[object]:
-    """moe_proto's C++ op library when it takes these operands (fp32 CPU), else None (the embedding_bag path)."""
-    if grad_out.device.type != "cpu" or grad_out.dtype != torch.float32 or y.dtype != torch.float32:
-        return None
-    return load_cpu_ops()
 
 
 def _per_route_dot(grad_out: Tensor, y: Tensor, route_row: Tensor, route_offsets: Tensor,

@@ -42,7 +42,7 @@ from .balance import ExpertBalance
 from .buffer_pool import default_pool
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
-from .ops import load_cpu_ops
+from .ops import cpu_ops_for
 from .routing import RoutingRecord, RoutingStats
 
 try:  # deriving from DeepSpeed's class is how its engine recognises MoE layers (isinstance checks)
@@ -103,8 +103,7 @@ class _RouterLogits(torch.autograd.Function):
 
 def _add_router_input_grad(grad_x: Tensor, grad: Tensor, w: Tensor) -> Tensor:
     """``grad_x + grad @ w`` into a pooled buffer: one C++ pass over the rows for fp32 CPU tensors."""
-    ops = load_cpu_ops() if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (grad_x, grad, w)) \
-        else None
+    ops = cpu_ops_for(grad_x, grad, w)
     if ops is None:
         return torch.addmm(grad_x, grad, w)
     out = default_pool().empty(grad_x.shape, grad_x.dtype, grad_x.device)

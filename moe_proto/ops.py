@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from sparse_scale.base import jit_build
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,18 @@ def load_cpu_ops(*, verbose: bool = False, clear_stale: bool = True) -> Optional
         logger.info("moe_proto C++ CPU ops ready in %.1f s (%s)", time.perf_counter() - started,
                     build_directory())
         return _state["module"]
+
+
+def cpu_ops_for(*tensors: "torch.Tensor") -> Optional[object]:
+    """The library when every tensor given is a float32 CPU tensor (what its kernels take), else None.
+
+    Example::
+
+        ops = cpu_ops_for(grad, y)     # None for bf16 or CUDA operands: run the torch expression
+    """
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return load_cpu_ops()
+    return None
 
 
 def reset() -> None:

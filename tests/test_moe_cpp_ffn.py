@@ -156,7 +156,7 @@ def test_add_router_input_grad_kernel_matches_addmm(cpp, width):
 
 def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch):
     """The layer with every C++ kernel against the layer with none (each falls back to its torch expression)."""
-    from moe_proto import MoE, dispatch, experts, layer
+    from moe_proto import MoE, dispatch, experts, layer, routing
 
     def grads():
         torch.manual_seed(0)
@@ -167,9 +167,24 @@ def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch):
         (out.square().sum() + l_aux).backward()
         return [x.grad] + [p.grad for p in moe.parameters()]
 
+    used = set()
+
+    class Counting:  # the library, recording which kernels the layer called
+        def __getattr__(self, name):
+            used.add(name)
+            return getattr(cpp, name)
+
+    for module in (dispatch, layer):
+        monkeypatch.setattr(module, "cpu_ops_for", lambda *tensors: Counting())
+    monkeypatch.setattr(experts, "load_cpu_ops", Counting)
+    monkeypatch.setattr(routing, "load_cpu_ops", Counting)
     with_cpp = grads()
-    for module in (dispatch, experts, layer):
-        monkeypatch.setattr(module, "load_cpu_ops", lambda: None)
+    assert used == {"assign_slots", "add_router_input_grad", "combine_backward", "expert_ffn_forward",
+                    "expert_ffn_backward"}, used  # k=2: no select_top1
+    monkeypatch.setattr(experts, "load_cpu_ops", lambda: None)
+    for module in (dispatch, layer):
+        monkeypatch.setattr(module, "cpu_ops_for", lambda *tensors: None)
+    monkeypatch.setattr(routing, "load_cpu_ops", lambda: None)
     without = grads()
     for a, b in zip(with_cpp, without):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -265,8 +265,17 @@ def test_cpp_routing_decisions_equal_the_torch_expressions(monkeypatch):
                 [None, 0, 3, s // 5 + 1], [None, torch.randint(0, 3, (s, k), generator=gen).float(),
                                            torch.rand(s, k, generator=gen), nan_priority], [None, eligible]):
             cases.append((expert_index, mask, e, capacity, priority))
+    calls = []
+
+    class Counting:  # proves the first pass ran the C++ kernel: a patch that missed would compare torch with torch
+        def assign_slots(self, *args):
+            calls.append(args)
+            return lib.assign_slots(*args)
+
+    monkeypatch.setattr(routing, "load_cpu_ops", Counting)
     with_cpp = [routing._assign_slots(*case) for case in cases]
-    monkeypatch.setattr(routing, "_cpu_ops", lambda: None)
+    assert len(calls) == len(cases)
+    monkeypatch.setattr(routing, "load_cpu_ops", lambda: None)
     for case, ours in zip(cases, with_cpp):
         for a, b in zip(ours, routing._assign_slots(*case)):
             assert torch.equal(a, b), (case[0].shape, case[3], case[4] is not None)
