@@ -96,6 +96,47 @@ def _aligned(t: Tensor) -> bool:
             and all(st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
+def blocks_to_expert_major(counts: Tensor) -> Tensor:
+    """Row order that turns B blocks of expert-major rows (``counts [B, E]``) into one expert-major buffer.
+
+    Returns ``index`` with ``rows[index]`` expert-major: expert 0's rows of block 0, block 1, ...,
+    then expert 1's. Example: ``blocks_to_expert_major(torch.tensor([[1, 2], [1, 0]]))`` is
+    ``tensor([0, 3, 1, 2])``.
+    """
+    counts = counts.to(torch.int64)
+    flat = counts.reshape(-1)
+    start = (torch.cumsum(flat, 0) - flat).view_as(counts)
+    lengths = counts.t().reshape(-1)
+    total = int(lengths.sum())
+    seg_start = torch.repeat_interleave(start.t().reshape(-1), lengths, output_size=total)
+    seg_first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+    return seg_start + torch.arange(total, dtype=torch.int64, device=counts.device) - seg_first
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` for a permutation ``index``; backward gathers by its ``inverse``.
+
+    Autograd's own backward of ``index_select`` zero-fills a full-size gradient and scatter-adds
+    into it; for a permutation one gather is the whole job. Large CPU outputs come from the
+    default buffer pool. Example: ``PermuteRows.apply(x, index, inverse)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return torch.index_select(x, 0, index, out=_rows_like(x, index.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        inverse, = ctx.saved_tensors
+        return torch.index_select(grad, 0, inverse, out=_rows_like(grad, inverse.shape[0])), None, None
+
+
+def _rows_like(x: Tensor, rows: int) -> Tensor:
+    """An uninitialised ``[rows, x.shape[1]]`` tensor like ``x``; large CPU ones come from the default pool."""
+    return default_pool().empty((rows, x.shape[1]), x.dtype, x.device)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient.
 
@@ -182,10 +223,11 @@ class _FusedExpertFFN(torch.autograd.Function):
         act = pool.empty((rows, ffn), x.dtype)  # activation (times the gate branch when gated): input of w2
         y = pool.empty((rows, w2.shape[-1]), x.dtype)
         act_out = _ACT_OUT[activation]
-        start = 0
-        for e, n in enumerate(counts):
+        start, num_experts = 0, w1.shape[0]
+        for i, n in enumerate(counts):
             if n == 0:
                 continue
+            e = i % num_experts  # segment i of B blocks of expert-major rows
             sl = slice(start, start + n)
             start += n
             _linear_out(x[sl], w1[e], None if b1 is None else b1[e], h1[sl])
@@ -228,20 +270,24 @@ class _FusedExpertFFN(torch.autograd.Function):
         d_act_buf = pool.empty((max_rows, h1.shape[1]), grad_y.dtype)
         d_h1_buf = pool.empty((max_rows, h1.shape[1]), grad_y.dtype)
         d_h3_buf = pool.empty((max_rows, h1.shape[1]), grad_y.dtype) if gated else None
-        start = 0
-        for e, n in enumerate(ctx.counts):
+        start, num_experts = 0, w1.shape[0]
+        written = [False] * num_experts  # an expert's gradients accumulate over its segments (blocks)
+        for i, n in enumerate(ctx.counts):
             if n == 0:
-                for grad in (dw1, dw2, dw3, db1, db2, db3):
-                    if grad is not None:
-                        grad[e].zero_()
                 continue
+            e = i % num_experts
+            acc, written[e] = written[e], True
+            # First segment of expert e: write its gradient slots; later segments (blocks): add to them.
+            mm = (lambda a, b, out: out.addmm_(a, b)) if acc else (lambda a, b, out: torch.mm(a, b, out=out))
+            col_sum = (lambda t, out: out.add_(t.sum(dim=0))) if acc else \
+                (lambda t, out: torch.sum(t, dim=0, out=out))
             sl = slice(start, start + n)
             start += n
             g_e = grad_y[sl]
             if dw2 is not None:
-                torch.mm(act[sl].t(), g_e, out=dw2[e])
+                mm(act[sl].t(), g_e, dw2[e])
             if db2 is not None:
-                torch.sum(g_e, dim=0, out=db2[e])
+                col_sum(g_e, db2[e])
             if not (need_x or need_w1 or need_b1 or need_w3 or need_b3):
                 continue
             d_act = torch.mm(g_e, w2[e].t(), out=d_act_buf[:n])
@@ -254,17 +300,21 @@ class _FusedExpertFFN(torch.autograd.Function):
             else:
                 act_grad(d_act, h1[sl], d_h1)
             if dw1 is not None:
-                torch.mm(x[sl].t(), d_h1, out=dw1[e])
+                mm(x[sl].t(), d_h1, dw1[e])
             if db1 is not None:
-                torch.sum(d_h1, dim=0, out=db1[e])
+                col_sum(d_h1, db1[e])
             if d_h3 is not None and dw3 is not None:
-                torch.mm(x[sl].t(), d_h3, out=dw3[e])
+                mm(x[sl].t(), d_h3, dw3[e])
             if d_h3 is not None and db3 is not None:
-                torch.sum(d_h3, dim=0, out=db3[e])
+                col_sum(d_h3, db3[e])
             if dx is not None:
                 torch.mm(d_h1, w1[e].t(), out=dx[sl])
                 if d_h3 is not None:
                     dx[sl].addmm_(d_h3, w3[e].t())
+        for e in range(num_experts):  # an expert without rows: its gradients are zero
+            for grad in (dw1, dw2, dw3, db1, db2, db3):
+                if grad is not None and not written[e]:
+                    grad[e].zero_()
         if dx is not None and start < x.shape[0]:
             dx[start:].zero_()
         return dx, None, None, None, dw1, db1, dw2, db2, dw3, db3
@@ -335,6 +385,10 @@ def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: 
                      use_cpp: bool = True) -> Tensor:
     """Expert FFN ``act(x W1 + b1) [* (x W3 + b3)] W2 + b2`` per expert's rows, fused per expert.
 
+    ``tokens_per_expert`` is ``[E]`` (``x`` expert-major) or ``[B, E]``: B blocks of expert-major
+    rows, one after the other (the rows received from B expert-parallel peers), computed where
+    they lie, each expert's weight gradients summed over its B segments.
+
     Same maths as composing :func:`grouped_matmul` with the activation (that path stays in
     :class:`GroupedExperts` for CUDA, where one grouped kernel beats a Python loop), but
     faster on CPU; see :class:`_FusedExpertFFN` for why. Reads ``tokens_per_expert`` once
@@ -348,11 +402,12 @@ def fused_expert_ffn(x: Tensor, tokens_per_expert: Tensor, activation: str, w1: 
 
         y = fused_expert_ffn(buffer, counts, "gelu", experts.w1, experts.b1, experts.w2, experts.b2)
     """
-    counts: List[int] = tokens_per_expert.tolist()
+    if tokens_per_expert.dim() not in (1, 2) or tokens_per_expert.shape[-1] != w1.shape[0]:
+        raise ValueError(f"tokens_per_expert must be [{w1.shape[0]}] (one count per expert) or [blocks, "
+                         f"{w1.shape[0]}], got shape {tuple(tokens_per_expert.shape)}")
+    counts: List[int] = tokens_per_expert.reshape(-1).tolist()
     if sum(counts) != x.shape[0]:
         raise ValueError(f"tokens_per_expert sums to {sum(counts)} but the buffer has {x.shape[0]} rows")
-    if len(counts) != w1.shape[0]:
-        raise ValueError(f"tokens_per_expert has {len(counts)} entries for {w1.shape[0]} experts")
     x = x.contiguous()
     pool = pool or default_pool()
     ops = _cpp_ops_for(x, activation, (w1, b1, w2, b2)) if use_cpp and w3 is None else None
@@ -416,10 +471,25 @@ class GroupedExperts(nn.Module):
                 nn.init.uniform_(param, -bound, bound)
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """``[R, d]`` expert-major rows (``tokens_per_expert[e]`` rows for expert e) -> ``[R, d]``."""
+        """``[R, d]`` expert-major rows (``tokens_per_expert[e]`` rows for expert e) -> ``[R, d]``.
+
+        ``tokens_per_expert`` may also be ``[B, E]``: B blocks of expert-major rows one after the
+        other, as :func:`moe_proto.parallel.dispatch_to_experts` returns them (block w: the rows
+        from expert-parallel peer w). The fused CPU loop computes them where they lie; the
+        grouped-matmul path gathers them expert-major and back.
+
+        Example::
+
+            y = experts(torch.randn(5, 16), torch.tensor([[1, 0, 1, 0], [2, 1, 0, 0]]))
+        """
         if self.fused_cpu and x.device.type == "cpu" and x.dim() == 2:
             return fused_expert_ffn(x, tokens_per_expert, self.activation, self.w1, self.b1, self.w2, self.b2,
                                     self.w3, self.b3, pool=self.buffer_pool, use_cpp=self.cpp_ffn)
+        if tokens_per_expert.dim() == 2:
+            index = blocks_to_expert_major(tokens_per_expert)
+            inverse = torch.empty_like(index).index_copy_(0, index, torch.arange(index.numel(), device=index.device))
+            y = self(PermuteRows.apply(x, index, inverse), tokens_per_expert.sum(dim=0))
+            return PermuteRows.apply(y, inverse, index)
         row_expert = None
         if self.b1 is not None:
             experts = torch.arange(self.num_experts, device=x.device)

@@ -396,7 +396,7 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
                                           dtype=buffer.dtype, capacity=plan.capacity,
                                           fixed_splits=self.ep_fixed_splits)
         local = parallel.dispatch_to_experts(buffer, exchange, group)
-        return parallel.combine_from_experts(self.experts(local, exchange.local_tokens_per_expert), exchange, group)
+        return parallel.combine_from_experts(self.experts(local, exchange.recv_counts), exchange, group)
 
     @property
     def expert_range(self) -> Tuple[int, int]:

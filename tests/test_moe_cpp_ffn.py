@@ -75,6 +75,49 @@ def test_cpu_paths_equal_the_grouped_matmul_composition(cpp, path, activation, b
     assert torch.count_nonzero(g_p["w1"][1]) == 0 and torch.count_nonzero(g_p["w2"][1]) == 0
 
 
+@pytest.mark.parametrize("path", sorted(PATHS) + ["grouped matmul"])
+@pytest.mark.parametrize("activation,bias", [("gelu", True), ("relu", False), ("swiglu", True)])
+def test_blocks_of_expert_major_rows_equal_the_expert_major_buffer(cpp, path, activation, bias):
+    """[B, E] counts (the rows from B expert-parallel peers, as received): same rows out, same gradients."""
+    from moe_proto.experts import blocks_to_expert_major
+
+    torch.manual_seed(1)
+    experts = GroupedExperts(3, 16, 24, activation=activation, bias=bias)
+    # Expert 1 has rows in block 1 only, expert 2 in none: zero gradients, not garbage.
+    blocks = torch.tensor([[5, 0, 0], [2, 6, 0], [4, 0, 0]])
+    x, grad = torch.randn(17, 16), torch.randn(17, 16)
+    index = blocks_to_expert_major(blocks)
+    assert index.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 14, 15, 16, 7, 8, 9, 10, 11, 12]
+    experts.fused_cpu, experts.cpp_ffn = PATHS.get(path, (False, False))
+    y_b, dx_b, g_b = _forward_backward(experts, x, blocks, grad)
+    experts.fused_cpu = False
+    y_r, dx_r, g_r = _forward_backward(experts, x[index], blocks.sum(dim=0), grad[index])
+    torch.testing.assert_close(y_b[index], y_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_b[index], dx_r, rtol=1e-5, atol=1e-5)
+    for name in g_r:
+        torch.testing.assert_close(g_b[name], g_r[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert all(torch.count_nonzero(g_b[name][2]) == 0 for name in g_b)
+    experts.fused_cpu, experts.cpp_ffn = PATHS.get(path, (False, False))  # each path really ran its own code
+    want = {"C++ loop": "_CppExpertFFN", "torch loop": "_FusedExpertFFN", "grouped matmul": "PermuteRows"}[path]
+    if path == "C++ loop" and activation == "swiglu":
+        want = "_FusedExpertFFN"  # gated experts have no C++ kernel
+    assert experts(x, blocks).grad_fn.name().startswith(want)
+
+
+def test_counts_of_the_wrong_shape_are_refused(cpp):
+    experts = GroupedExperts(3, 8, 16)
+    with pytest.raises(ValueError, match=r"must be \[3\] .* or \[blocks, 3\], got shape \(2, 2\)"):
+        experts(torch.randn(4, 8), torch.tensor([[1, 1], [1, 1]]))
+    with pytest.raises(ValueError, match="sums to 5 but the buffer has 4 rows"):
+        experts(torch.randn(4, 8), torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    with pytest.raises(RuntimeError, match="6 row counts for 4 experts"):
+        cpp.expert_ffn_forward(torch.randn(4, 8), [1, 1, 1, 1, 0, 0], 0, torch.randn(4, 8, 16), None,
+                               torch.randn(4, 16, 8), None, torch.empty(4, 16), torch.empty(4, 16), torch.empty(4, 8))
+    with pytest.raises(RuntimeError, match="sum to 9, more than the 4 rows"):
+        cpp.expert_ffn_forward(torch.randn(4, 8), [1, 8, 0, 0], 0, torch.randn(4, 8, 16), None,
+                               torch.randn(4, 16, 8), None, torch.empty(4, 16), torch.empty(4, 16), torch.empty(4, 8))
+
+
 def test_cpp_loop_with_frozen_weights_a_stride0_gradient_and_rows_past_the_counts(cpp):
     torch.manual_seed(0)
     experts = GroupedExperts(3, 8, 16, activation="gelu", bias=True)

@@ -225,7 +225,7 @@ def test_group_softmax_equals_softmax(shape):
 
 
 def test_parallel_permute_rows_gradcheck_and_matches_index_select():
-    from moe_proto.parallel import _PermuteRows
+    from moe_proto.experts import PermuteRows as _PermuteRows
 
     gen = torch.Generator().manual_seed(2)
     index = torch.randperm(9, generator=gen)

@@ -4,6 +4,9 @@
 // act = f(h) and f'(h) (over h, which is not needed again), then y = act W2 + b2. Backward per expert:
 // dW2 = act^T g, db2, d = g W2^T, one pass d *= f'(h) that also sums db1, dW1 = x^T d, dx = d W1^T.
 // Computing f' in the forward pass shares its exp with f: GELU's backward no longer recomputes erf and exp.
+// Rows come in segments of `counts`; segment i belongs to expert i % E, so the rows may be B blocks of expert-major
+// rows (B * E counts, e.g. the rows received from B expert-parallel peers) with no reordering: an expert's weight
+// and bias gradients then accumulate over its B segments.
 // The loops run without the GIL; buffers are allocated by the caller (moe_proto's buffer pool).
 #include "ops.h"
 
@@ -176,10 +179,10 @@ void bias_activation(int64_t act_code, float* h, const float* b, float* act, int
   }
 }
 
-// d *= df in place; db (may be null) = the column sums of the product.
+// d *= df in place; db (may be null) = the column sums of the product (added to db when `accumulate`).
 void scale_by_derivative(float* __restrict d, const float* __restrict df, float* __restrict db, int64_t rows,
-                         int64_t cols) {
-  if (db) std::fill(db, db + cols, 0.0f);
+                         int64_t cols, bool accumulate) {
+  if (db && !accumulate) std::fill(db, db + cols, 0.0f);
   for (int64_t i = 0; i < rows; ++i) {
     float* dr = d + i * cols;
     const float* gr = df + i * cols;
@@ -197,9 +200,9 @@ void scale_by_derivative(float* __restrict d, const float* __restrict df, float*
   }
 }
 
-// db = the column sums of g (one pass; at::sum_out per expert cost 26 us each, mostly dispatch).
-void column_sums(const float* __restrict g, float* __restrict db, int64_t rows, int64_t cols) {
-  std::fill(db, db + cols, 0.0f);
+// db = the column sums of g, or db += them when `accumulate` (one pass; at::sum_out per expert cost 26 us each).
+void column_sums(const float* __restrict g, float* __restrict db, int64_t rows, int64_t cols, bool accumulate) {
+  if (!accumulate) std::fill(db, db + cols, 0.0f);
   for (int64_t i = 0; i < rows; ++i) {
     const float* gr = g + i * cols;
 #pragma omp simd
@@ -221,6 +224,23 @@ void check_f32(const at::Tensor& t, const char* name) {
               "moe_proto expert_ffn: ", name, " must be a contiguous float32 CPU tensor");
 }
 
+// counts: one per segment, a whole number of rounds over the E experts, none negative, at most `rows` in all.
+// Returns each segment's first row.
+std::vector<int64_t> segment_starts(const std::vector<int64_t>& counts, int64_t experts, int64_t rows) {
+  TORCH_CHECK(experts > 0 && !counts.empty() && counts.size() % experts == 0, "moe_proto expert_ffn: ",
+              counts.size(), " row counts for ", experts, " experts (one per expert, or per expert in each block)");
+  std::vector<int64_t> starts(counts.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    TORCH_CHECK(counts[i] >= 0, "moe_proto expert_ffn: a negative row count (", counts[i], ")");
+    starts[i] = total;
+    total += counts[i];
+  }
+  TORCH_CHECK(total <= rows, "moe_proto expert_ffn: the row counts sum to ", total, ", more than the ", rows,
+              " rows given");
+  return starts;
+}
+
 }  // namespace
 
 // y = f(x W1 + b1) W2 + b2 per expert; writes f' of the pre-activation into `deriv` and f into `act`.
@@ -233,10 +253,12 @@ void expert_ffn_forward(const at::Tensor& x, const std::vector<int64_t>& counts,
   }
   if (b1) check_f32(*b1, "b1");
   if (b2) check_f32(*b2, "b2");
-  const int64_t ffn = w1.size(2);
-  int64_t start = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t n = counts[e];
+  const int64_t ffn = w1.size(2), experts = w1.size(0);
+  const std::vector<int64_t> starts = segment_starts(counts, experts, x.size(0));
+  const int64_t blocks = static_cast<int64_t>(counts.size()) / experts;
+  // Expert-major over the blocks: an expert's weights are read from memory once for all its segments.
+  for (int64_t e = 0; e < experts; ++e) for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n = counts[blk * experts + e], start = starts[blk * experts + e];
     if (n == 0) continue;
     auto h = deriv.narrow(0, start, n);
     auto a = act.narrow(0, start, n);
@@ -246,7 +268,6 @@ void expert_ffn_forward(const at::Tensor& x, const std::vector<int64_t>& counts,
                     a.data_ptr<float>(), n, ffn);
     at::mm_out(out, a, w2.select(0, e));
     if (b2) add_bias_rows(out.data_ptr<float>(), b2->select(0, e).data_ptr<float>(), n, out.size(1));
-    start += n;
   }
 }
 
@@ -259,40 +280,46 @@ void expert_ffn_backward(const at::Tensor& grad_y, const at::Tensor& x, const at
   for (const at::Tensor* t : {&grad_y, &x, &deriv, &act, &w1, &w2, static_cast<const at::Tensor*>(&d_buf)}) {
     check_f32(*t, "every operand");
   }
-  const int64_t ffn = w1.size(2);
+  const int64_t ffn = w1.size(2), experts = w1.size(0);
+  const std::vector<int64_t> starts = segment_starts(counts, experts, x.size(0));
+  const int64_t blocks = static_cast<int64_t>(counts.size()) / experts;
   const bool need_inner = dx || dw1 || db1;
-  int64_t start = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    const int64_t n = counts[e];
-    if (n == 0) {  // an expert without rows: its gradients are zero
-      for (auto* g : {&dw1, &db1, &dw2, &db2}) {
-        if (*g) (*g)->select(0, e).zero_();
-      }
-      continue;
-    }
+  std::vector<char> written(experts, 0);  // whether expert e's gradients hold a segment's terms yet
+  // Expert-major over the blocks: a later segment adds to gradients the previous one left in cache.
+  for (int64_t e = 0; e < experts; ++e) for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n = counts[blk * experts + e], start = starts[blk * experts + e];
+    if (n == 0) continue;
+    const bool acc = written[e];
+    written[e] = 1;
     auto g = grad_y.narrow(0, start, n);
     if (dw2) {
       auto out = dw2->select(0, e);
-      at::mm_out(out, act.narrow(0, start, n).t(), g);
+      if (acc) out.addmm_(act.narrow(0, start, n).t(), g); else at::mm_out(out, act.narrow(0, start, n).t(), g);
     }
-    if (db2) column_sums(g.data_ptr<float>(), db2->select(0, e).data_ptr<float>(), n, g.size(1));
+    if (db2) column_sums(g.data_ptr<float>(), db2->select(0, e).data_ptr<float>(), n, g.size(1), acc);
     if (need_inner) {
       auto d = d_buf.narrow(0, 0, n);
       at::mm_out(d, g, w2.select(0, e).t());
       scale_by_derivative(d.data_ptr<float>(), deriv.narrow(0, start, n).data_ptr<float>(),
-                          db1 ? db1->select(0, e).data_ptr<float>() : nullptr, n, ffn);
+                          db1 ? db1->select(0, e).data_ptr<float>() : nullptr, n, ffn, acc);
       if (dw1) {
         auto out = dw1->select(0, e);
-        at::mm_out(out, x.narrow(0, start, n).t(), d);
+        if (acc) out.addmm_(x.narrow(0, start, n).t(), d); else at::mm_out(out, x.narrow(0, start, n).t(), d);
       }
       if (dx) {
         auto out = dx->narrow(0, start, n);
         at::mm_out(out, d, w1.select(0, e).t());
       }
     }
-    start += n;
   }
-  if (dx && start < x.size(0)) dx->narrow(0, start, x.size(0) - start).zero_();
+  for (int64_t e = 0; e < experts; ++e) {  // an expert without rows: its gradients are zero
+    if (written[e]) continue;
+    for (auto* g : {&dw1, &db1, &dw2, &db2}) {
+      if (*g) (*g)->select(0, e).zero_();
+    }
+  }
+  const int64_t used = starts.back() + counts.back();
+  if (dx && used < x.size(0)) dx->narrow(0, used, x.size(0) - used).zero_();
 }
 
 // f(v) and f'(v) elementwise (tests compare them with torch's activations and autograd).
