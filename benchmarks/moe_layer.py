@@ -22,6 +22,15 @@ over repetitions is reported, for thread CPU time (``time.thread_time``: what th
 thread computed, less sensitive to being descheduled) and wall time. Speeds are
 tokens/s over S tokens; "x ideal" is ideal time / variant time.
 
+Page faults: each step's minor page faults (``getrusage``) are counted alongside its time, and
+the table gives the medians for ours and the ideal. The ideal is plain torch: its activations
+come from glibc's malloc, which maps fresh pages for some of them in some runs (the top-1
+ideal page-faulted 0-8,200 times a step, 2026-12-04), so its time moves with the allocator's
+state. ``--steady-malloc`` raises glibc's mmap and trim thresholds (``mallopt``) for the whole
+process before anything runs: every variant then reuses its memory and the ideal stops
+faulting - what the ideal costs without allocator overhead. Our layer takes its large buffers
+from a pool (``moe_proto.buffer_pool``) and faults about 0 times a step either way.
+
 Peak memory: the profiler's allocation events (``torch.profiler`` with
 ``profile_memory=True``; every CPU tensor allocation and free) over one
 forward+backward, summed in time order; the peak is the most bytes live at once
@@ -48,12 +57,15 @@ Run::
     .venv/bin/python benchmarks/moe_layer.py            # full size, 12 repetitions
     .venv/bin/python benchmarks/moe_layer.py --reps 20 --modes top-1,top-2
     .venv/bin/python benchmarks/moe_layer.py --ep 2     # 2 processes, expert parallelism
+    .venv/bin/python benchmarks/moe_layer.py --steady-malloc   # no allocator page faults in any variant
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import os
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -116,6 +128,7 @@ class Timing:
 
     thread: List[float] = field(default_factory=list)
     wall: List[float] = field(default_factory=list)
+    faults: List[int] = field(default_factory=list)  # minor page faults of this thread during the step
 
     @property
     def thread_median(self) -> float:
@@ -124,6 +137,10 @@ class Timing:
     @property
     def wall_median(self) -> float:
         return statistics.median(self.wall)
+
+    @property
+    def faults_median(self) -> float:
+        return statistics.median(self.faults)
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,8 @@ class Row:
     ours_drop_rate: float
     experts_only_s: Optional[float] = None  # single-process runs only
     pool_held: int = 0  # bytes moe_proto's buffer pool held after the timed run (one pool for every mode)
+    ours_faults: float = 0.0  # median minor page faults per step
+    ideal_faults: float = 0.0
 
 
 Step = Callable[[], None]
@@ -308,11 +327,34 @@ def time_round_robin(steps: Dict[str, Step], reps: int, warmup: int,
         for name in names[shift:] + names[:shift]:
             if before_each is not None:
                 before_each()
+            faults0 = _minor_faults()
             wall0, cpu0 = time.perf_counter(), time.thread_time()
             steps[name]()
             timings[name].thread.append(time.thread_time() - cpu0)
             timings[name].wall.append(time.perf_counter() - wall0)
+            timings[name].faults.append(_minor_faults() - faults0)
     return timings
+
+
+def _minor_faults() -> int:
+    """Minor page faults of the calling thread so far (Linux; the process's elsewhere)."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
+
+
+def steady_malloc() -> None:
+    """Raise glibc's mmap and trim thresholds for this process: freed memory is reused, not unmapped.
+
+    Raises SystemExit when this is not glibc (``mallopt`` missing or refusing the settings).
+    """
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    except (OSError, AttributeError) as err:
+        raise SystemExit(f"--steady-malloc needs glibc's mallopt: {err}") from err
+    if not ok:
+        raise SystemExit("--steady-malloc: glibc's mallopt refused the mmap/trim thresholds")
 
 
 def run(cfg: BenchConfig, modes: Sequence[Mode] = MODES, with_deepspeed: bool = True) -> List[Row]:
@@ -340,7 +382,8 @@ def run(cfg: BenchConfig, modes: Sequence[Mode] = MODES, with_deepspeed: bool = 
             ds_wall_s=timings[ds_key].wall_median if has_ds else None, ideal_wall_s=ideal.wall_median,
             ours_peak=peaks[f"{mode.name}|ours"], ds_peak=peaks.get(ds_key),
             ideal_peak=peaks[f"{mode.name}|ideal"], ours_drop_rate=drop_rates[mode.name],
-            experts_only_s=timings[f"{mode.name}|experts only"].thread_median, pool_held=pool_held))
+            experts_only_s=timings[f"{mode.name}|experts only"].thread_median, pool_held=pool_held,
+            ours_faults=ours.faults_median, ideal_faults=ideal.faults_median))
     return rows
 
 
@@ -364,8 +407,8 @@ def format_table(rows: Sequence[Row]) -> str:
     lines = [
         "| mode | ours tok/s | DeepSpeed tok/s | ideal tok/s | ours/ideal | DS/ideal | ours/DS "
         "| ours/ideal (wall) | DS/ideal (wall) | experts only/ideal | ours/experts only "
-        "| peak MB ours / DS / ideal | ours drop rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak MB ours / DS / ideal | ours drop rate | page faults per step ours / ideal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -373,7 +416,8 @@ def format_table(rows: Sequence[Row]) -> str:
             f"| {ratio(r.ideal_s, r.ours_s)} | {ratio(r.ideal_s, r.ds_s)} | {ratio(r.ds_s, r.ours_s)} "
             f"| {ratio(r.ideal_wall_s, r.ours_wall_s)} | {ratio(r.ideal_wall_s, r.ds_wall_s)} "
             f"| {ratio(r.ideal_s, r.experts_only_s)} | {ratio(r.experts_only_s, r.ours_s)} "
-            f"| {mb(r.ours_peak)} / {mb(r.ds_peak)} / {mb(r.ideal_peak)} | {r.ours_drop_rate:.1%} |")
+            f"| {mb(r.ours_peak)} / {mb(r.ds_peak)} / {mb(r.ideal_peak)} | {r.ours_drop_rate:.1%} "
+            f"| {r.ours_faults:,.0f} / {r.ideal_faults:,.0f} |")
     return "\n".join(lines)
 
 
@@ -525,7 +569,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel size: >1 runs that many gloo processes (default 1: one process)")
     parser.add_argument("--no-deepspeed", action="store_true", help="time moe_proto and the ideal only")
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="raise glibc's mmap/trim thresholds first, so no variant page-faults its memory in")
     args = parser.parse_args(argv)
+    if args.steady_malloc:
+        if args.ep > 1:
+            parser.error("--steady-malloc applies to the one-process run (the ranks are separate processes)")
+        steady_malloc()
     cfg = BenchConfig(tokens=args.tokens, reps=args.reps, warmup=args.warmup)
     modes = _parse_modes(args.modes)
     load_before = os.getloadavg()
@@ -539,6 +589,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         how = "one process, median thread CPU time"
         remove_deepspeed_shm_buffers(os.environ.get("MASTER_PORT"))
     load_after = os.getloadavg()
+    if args.steady_malloc:
+        how += ", --steady-malloc"
     print(f"S={cfg.tokens} d={cfg.hidden} ffn={cfg.ffn} E={cfg.experts} cf={cfg.capacity_factor} "
           f"threads={cfg.threads} reps={cfg.reps} ({how}) torch {torch.__version__}; "
           f"{os.cpu_count()} CPUs, load average (1/5/15 min) {_load(load_before)} before, "

@@ -1,5 +1,6 @@
 """Keeps benchmarks/moe_layer.py from rotting: its functions once on tiny sizes (no timing asserts)."""
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,8 +38,21 @@ def test_benchmark_runs_every_mode_on_tiny_sizes(bench):
         assert row.ours_s > 0 and row.ideal_s > 0 and row.ours_peak >= 0 and row.ds_s is None
         assert row.experts_only_s > 0
         assert 0.0 <= row.ours_drop_rate <= 1.0
+        assert row.ours_faults >= 0 and row.ideal_faults >= 0
     table = bench.format_table(rows)
     assert table.count("\n") == len(rows) + 1 and "P=2 dropless" in table
+
+
+def test_fault_counter_sees_fresh_pages_and_steady_malloc_applies(bench):
+    before = bench._minor_faults()
+    torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB: fresh pages, one fault per page touched at least
+    assert bench._minor_faults() - before >= 100
+    # In a child process: the thresholds hold for the process's life, which must not be this test run's.
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('b', sys.argv[1]); "
+            "b = importlib.util.module_from_spec(spec); sys.modules['b'] = b; spec.loader.exec_module(b); "
+            "b.steady_malloc(); print('steady')")
+    done = subprocess.run([sys.executable, "-c", code, str(_BENCH)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("steady"), done.stderr[-2000:]
 
 
 def test_ep_probe_answers_without_raising(bench):
