@@ -1,4 +1,5 @@
 """Keeps benchmarks/moe_layer.py from rotting: its functions once on tiny sizes (no timing asserts)."""
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -160,3 +161,41 @@ def test_kernel_ab_benchmark_runs_both_arms_and_they_agree():
     assert layer.cpu_ops_for(torch.ones(1)) is not None and routing.load_cpu_ops() is not None
     for a, b in zip(with_kernels, without):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ep_layout_benchmark_arms_compute_the_same_and_it_runs_on_two_ranks():
+    """benchmarks/moe_ep_layout.py: its "reordered" arm really reorders and changes nothing computed; --ep 2 runs."""
+    import importlib
+
+    folder = str(_BENCH.parent)
+    sys.path.append(folder)  # spawned ranks unpickle the worker by module name
+    try:
+        ab = importlib.import_module("moe_ep_layout")
+        torch.manual_seed(0)
+        experts = GroupedExperts(3, 8, 16, bias=True)
+        experts.min_block_rows = 0  # these short blocks in place (the default would gather them in both arms)
+        blocks = torch.tensor([[2, 0, 3], [1, 4, 0]])
+        x, grad = torch.randn(10, 8), torch.randn(10, 8)
+        outs = []
+        for reordered in (False, True):
+            experts.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_()
+            with ab.reordered_blocks() if reordered else contextlib.nullcontext():
+                y = experts(xx, blocks)
+            assert (y.grad_fn.name() == "PermuteRowsBackward") == reordered
+            y.backward(grad)
+            outs.append((y.detach(), xx.grad, experts.w1.grad.clone(), experts.b2.grad.clone()))
+        for ours, theirs in zip(*outs):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        bench = ab._load_layer_bench()
+        before = torch.get_num_threads()
+        try:
+            cfg = bench.BenchConfig(tokens=32, hidden=16, ffn=32, experts=4)
+            rows = ab.run(cfg, ["top-1", "top-2 dropless"], reps=1, warmup=0, timeout_s=55)
+        finally:
+            torch.set_num_threads(before)
+        assert [r[0] for r in rows] == ["top-1", "top-2 dropless"] and all(min(r[1:]) > 0 for r in rows)
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop("moe_ep_layout", None)
+        sys.modules.pop("moe_layer_bench", None)

@@ -89,6 +89,7 @@ def test_blocks_of_expert_major_rows_equal_the_expert_major_buffer(cpp, path, ac
     index = blocks_to_expert_major(blocks)
     assert index.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 14, 15, 16, 7, 8, 9, 10, 11, 12]
     experts.fused_cpu, experts.cpp_ffn = PATHS.get(path, (False, False))
+    experts.min_block_rows = 0  # in place however short the segments (the default gathers these)
     y_b, dx_b, g_b = _forward_backward(experts, x, blocks, grad)
     experts.fused_cpu = False
     y_r, dx_r, g_r = _forward_backward(experts, x[index], blocks.sum(dim=0), grad[index])
@@ -102,6 +103,21 @@ def test_blocks_of_expert_major_rows_equal_the_expert_major_buffer(cpp, path, ac
     if path == "C++ loop" and activation == "swiglu":
         want = "_FusedExpertFFN"  # gated experts have no C++ kernel
     assert experts(x, blocks).grad_fn.name().startswith(want)
+
+
+def test_short_blocks_are_gathered_expert_major_and_long_ones_computed_in_place(cpp):
+    torch.manual_seed(2)
+    experts = GroupedExperts(2, 8, 16)  # default min_block_rows: ffn // 2 = 8 rows per nonempty segment
+    short, long = torch.tensor([[3, 4], [5, 0]]), torch.tensor([[8, 9], [8, 0]])
+    assert experts(torch.randn(12, 8), short).grad_fn.name() == "PermuteRowsBackward"
+    assert experts(torch.randn(25, 8), long).grad_fn.name().startswith("_CppExpertFFN")
+    experts.min_block_rows = 4
+    assert experts(torch.randn(12, 8), short).grad_fn.name().startswith("_CppExpertFFN")
+    x = torch.randn(12, 8)
+    gathered = (GroupedExperts._blocks_in_place.__get__(experts)(short), experts(x, short))
+    experts.min_block_rows = 100
+    torch.testing.assert_close(experts(x, short), gathered[1], rtol=1e-5, atol=1e-5)
+    assert gathered[0] and experts(torch.zeros(0, 8), torch.zeros(2, 2, dtype=torch.long)).shape == (0, 8)
 
 
 def test_counts_of_the_wrong_shape_are_refused(cpp):
