@@ -6,7 +6,7 @@
 expert-major itself). Before, they were always reordered to
 local-expert-major for the experts and back afterwards (two gathers forward, two backward). The
 "reordered" arm puts those gathers back in front of the same experts
-(``GroupedExperts.forward`` with the counts summed over the blocks), so the two arms differ in
+(``GroupedExperts``' own gather path, taken for every block layout), so the two arms differ in
 exactly that.
 
 Both arms run in the same ``ep`` gloo processes on the same layers and inputs, alternating every
@@ -23,49 +23,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from moe_layer_kernels import _load_layer_bench  # a sibling script: benchmarks/ is this script's folder
 
 from moe_proto import experts as experts_module
 
 
-def _load_layer_bench():
-    # benchmarks/ is a folder of scripts: load moe_layer.py by path for its variants and sizes.
-    if "moe_layer_bench" in sys.modules:
-        return sys.modules["moe_layer_bench"]
-    path = Path(__file__).resolve().parent / "moe_layer.py"
-    spec = importlib.util.spec_from_file_location("moe_layer_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 @contextlib.contextmanager
 def reordered_blocks() -> Iterator[None]:
-    """Inside: block-layout rows are gathered expert-major before the experts and back after (the old path)."""
+    """Inside: ``GroupedExperts`` gathers every block layout expert-major before its loop and back after (the old path)."""
     cls = experts_module.GroupedExperts
-    forward = cls.forward
-
-    def forward_reordered(self, x, tokens_per_expert):
-        if tokens_per_expert.dim() != 2:
-            return forward(self, x, tokens_per_expert)
-        index = experts_module.blocks_to_expert_major(tokens_per_expert)
-        inverse = torch.empty_like(index).index_copy_(0, index, torch.arange(index.numel(), device=index.device))
-        y = forward(self, experts_module.PermuteRows.apply(x, index, inverse), tokens_per_expert.sum(dim=0))
-        return experts_module.PermuteRows.apply(y, inverse, index)
-
-    cls.forward = forward_reordered
+    in_place = cls._blocks_in_place
+    cls._blocks_in_place = lambda self, counts: False
     try:
         yield
     finally:
-        cls.forward = forward
+        cls._blocks_in_place = in_place
 
 
 def _worker(rank: int, world: int, cfg_fields: Dict[str, object], modes: Sequence[str], reps: int,

@@ -190,3 +190,12 @@ def default_pool() -> HostBufferPool:
         moe_proto.buffer_pool.default_pool().max_bytes = 256 * 2**20   # hold at most 256 MiB
     """
     return _DEFAULT
+
+
+def empty_rows(like: Tensor, rows: int) -> Tensor:
+    """An uninitialised ``[rows, like.shape[1]]`` tensor of ``like``'s dtype and device from :func:`default_pool`.
+
+    For the row buffers of functions that see no layer (a model's own pool, from
+    ``moe_proto.host_buffer_pool_mb``, holds its experts' buffers). Example: ``empty_rows(x, 128)``.
+    """
+    return default_pool().empty((rows, like.shape[1]), like.dtype, like.device)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from .buffer_pool import HostBufferPool, default_pool
+from .buffer_pool import HostBufferPool, default_pool, empty_rows
 from .ops import ACTIVATION_CODES, load_cpu_ops
 
 ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
@@ -107,6 +107,18 @@ def _check_blocks(tokens_per_expert: Tensor, num_experts: int, rows: int) -> Lis
     return counts
 
 
+def segment_rows(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenate ``arange(starts[i], starts[i] + lengths[i])`` for all i, without a Python loop.
+
+    Example: ``segment_rows(torch.tensor([5, 0]), torch.tensor([2, 3]))`` is ``tensor([5, 6, 0, 1, 2])``.
+    """
+    lengths = lengths.to(torch.int64)
+    total = int(lengths.sum())
+    seg_start = torch.repeat_interleave(starts.to(torch.int64), lengths, output_size=total)
+    seg_first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+    return seg_start + torch.arange(total, dtype=torch.int64, device=lengths.device) - seg_first
+
+
 def blocks_to_expert_major(counts: Tensor) -> Tensor:
     """Row order that turns B blocks of expert-major rows (``counts [B, E]``) into one expert-major buffer.
 
@@ -114,14 +126,9 @@ def blocks_to_expert_major(counts: Tensor) -> Tensor:
     then expert 1's. Example: ``blocks_to_expert_major(torch.tensor([[1, 2], [1, 0]]))`` is
     ``tensor([0, 3, 1, 2])``.
     """
-    counts = counts.to(torch.int64)
-    flat = counts.reshape(-1)
+    flat = counts.to(torch.int64).reshape(-1)
     start = (torch.cumsum(flat, 0) - flat).view_as(counts)
-    lengths = counts.t().reshape(-1)
-    total = int(lengths.sum())
-    seg_start = torch.repeat_interleave(start.t().reshape(-1), lengths, output_size=total)
-    seg_first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
-    return seg_start + torch.arange(total, dtype=torch.int64, device=counts.device) - seg_first
+    return segment_rows(start.t().reshape(-1), counts.t().reshape(-1))
 
 
 class PermuteRows(torch.autograd.Function):
@@ -135,17 +142,12 @@ class PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(inverse)
-        return torch.index_select(x, 0, index, out=_rows_like(x, index.shape[0]))
+        return torch.index_select(x, 0, index, out=empty_rows(x, index.shape[0]))
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         inverse, = ctx.saved_tensors
-        return torch.index_select(grad, 0, inverse, out=_rows_like(grad, inverse.shape[0])), None, None
-
-
-def _rows_like(x: Tensor, rows: int) -> Tensor:
-    """An uninitialised ``[rows, x.shape[1]]`` tensor like ``x``; large CPU ones come from the default pool."""
-    return default_pool().empty((rows, x.shape[1]), x.dtype, x.device)
+        return torch.index_select(grad, 0, inverse, out=empty_rows(grad, inverse.shape[0])), None, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -493,13 +495,12 @@ class GroupedExperts(nn.Module):
 
             y = experts(torch.randn(5, 16), torch.tensor([[1, 0, 1, 0], [2, 1, 0, 0]]))
         """
-        if tokens_per_expert.dim() == 2:
-            _check_blocks(tokens_per_expert, self.num_experts, x.shape[0])
         fused = self.fused_cpu and x.device.type == "cpu" and x.dim() == 2
         if fused and (tokens_per_expert.dim() == 1 or self._blocks_in_place(tokens_per_expert)):
             return fused_expert_ffn(x, tokens_per_expert, self.activation, self.w1, self.b1, self.w2, self.b2,
                                     self.w3, self.b3, pool=self.buffer_pool, use_cpp=self.cpp_ffn)
-        if tokens_per_expert.dim() == 2:
+        if tokens_per_expert.dim() == 2:  # gathered expert-major, computed, and put back
+            _check_blocks(tokens_per_expert, self.num_experts, x.shape[0])
             index = blocks_to_expert_major(tokens_per_expert)
             inverse = torch.empty_like(index).index_copy_(0, index, torch.arange(index.numel(), device=index.device))
             y = self(PermuteRows.apply(x, index, inverse), tokens_per_expert.sum(dim=0))

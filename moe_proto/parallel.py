@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .buffer_pool import default_pool
+from .buffer_pool import empty_rows
+from .experts import segment_rows
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ class ExchangePlan:
         send_splits / recv_splits: rows sent to / received from each EP peer (all_to_all_single splits).
         recv_counts: ``[W, L]`` rows received from peer w for local expert l: the experts' row counts
             for the rows :func:`dispatch_to_experts` returns (W blocks, peer-major).
-        local_tokens_per_expert: ``[L]`` rows each local expert computes (``recv_counts.sum(0)``).
         recv_index: ``[N]`` row of the padded received tensor for each real row, peer-major (fixed
             splits), else None (variable splits: nothing is padded, the rows are used as received).
         send_index: ``[R]`` row of the padded send tensor for each buffer row (fixed splits), else None.
@@ -73,7 +73,6 @@ class ExchangePlan:
     send_splits: List[int]
     recv_splits: List[int]
     recv_counts: Tensor
-    local_tokens_per_expert: Tensor
     recv_index: Optional[Tensor]
     send_index: Optional[Tensor]
     send_rows: int
@@ -148,17 +147,17 @@ def plan_exchange(tokens_per_expert: Tensor, group: Optional[dist.ProcessGroup],
         recv_splits = [rows_per_peer] * world
         start = torch.arange(num_experts, dtype=torch.int64) * capacity
         counts = tokens_per_expert.to(torch.int64)
-        send_index = _segment_rows(start, counts)
+        send_index = segment_rows(start, counts)
         # The real rows of each (peer, expert) block of C, peer-major.
-        recv_index = _segment_rows(torch.arange(world * local, dtype=torch.int64) * capacity,
+        recv_index = segment_rows(torch.arange(world * local, dtype=torch.int64) * capacity,
                                    recv_counts.reshape(-1))
     else:
         send_splits = send_counts.sum(dim=1).tolist()
         recv_splits = recv_counts.sum(dim=1).tolist()
         send_index = recv_index = None
     return ExchangePlan(send_splits=send_splits, recv_splits=recv_splits, recv_counts=recv_counts,
-                        local_tokens_per_expert=recv_counts.sum(dim=0), recv_index=recv_index,
-                        send_index=send_index, send_rows=sum(send_splits), recv_rows=sum(recv_splits))
+                        recv_index=recv_index, send_index=send_index, send_rows=sum(send_splits),
+                        recv_rows=sum(recv_splits))
 
 
 def dispatch_to_experts(buffer: Tensor, plan: ExchangePlan, group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -207,7 +206,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],  # type: ignore[override]
                 group: Optional[dist.ProcessGroup]) -> Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group = list(out_splits), list(in_splits), group
-        out = _rows_like(x, sum(out_splits))
+        out = empty_rows(x, sum(out_splits))
         dist.all_to_all_single(out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
                                group=group)
         return out
@@ -215,25 +214,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         grad = grad.contiguous()
-        back = _rows_like(grad, sum(ctx.in_splits))
+        back = empty_rows(grad, sum(ctx.in_splits))
         dist.all_to_all_single(back, grad, output_split_sizes=ctx.in_splits, input_split_sizes=ctx.out_splits,
                                group=ctx.group)
         return back, None, None, None
-
-
-def _rows_like(x: Tensor, rows: int) -> Tensor:
-    """An uninitialised ``[rows, x.shape[1]]`` tensor like ``x``; large CPU ones come from the default buffer pool.
-
-    The default pool, not the layer's: these functions see no layer (a model's own pool, from
-    ``moe_proto.host_buffer_pool_mb``, holds the experts' buffers).
-    """
-    return default_pool().empty((rows, x.shape[1]), x.dtype, x.device)
-
-
-def _segment_rows(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenate ``arange(starts[i], starts[i] + lengths[i])`` for all i, without a Python loop."""
-    lengths = lengths.to(torch.int64)
-    total = int(lengths.sum())
-    seg_start = torch.repeat_interleave(starts.to(torch.int64), lengths, output_size=total)
-    seg_first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
-    return seg_start + torch.arange(total, dtype=torch.int64) - seg_first

@@ -79,7 +79,9 @@ def test_cpu_paths_equal_the_grouped_matmul_composition(cpp, path, activation, b
 @pytest.mark.parametrize("activation,bias", [("gelu", True), ("relu", False), ("swiglu", True)])
 def test_blocks_of_expert_major_rows_equal_the_expert_major_buffer(cpp, path, activation, bias):
     """[B, E] counts (the rows from B expert-parallel peers, as received): same rows out, same gradients."""
-    from moe_proto.experts import blocks_to_expert_major
+    from moe_proto.experts import blocks_to_expert_major, segment_rows
+
+    assert segment_rows(torch.tensor([5, 0]), torch.tensor([2, 3])).tolist() == [5, 6, 0, 1, 2]
 
     torch.manual_seed(1)
     experts = GroupedExperts(3, 16, 24, activation=activation, bias=bias)
