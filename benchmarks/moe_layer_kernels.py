@@ -52,7 +52,7 @@ def torch_paths() -> Iterator[None]:
     route = layer.MoE._route
 
     def route_without_alias(self, x, used_token, sequence_length):
-        return route(self, x, used_token, sequence_length)[0], x
+        return route(self, x, used_token, sequence_length)[0], x, None
 
     saved = (layer.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops)
     layer.MoE._route = route_without_alias

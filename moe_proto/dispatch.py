@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,12 +113,14 @@ def plan_dispatch(record: RoutingRecord) -> DispatchPlan:
     )
 
 
-def permute(hidden: Tensor, plan: DispatchPlan) -> Tensor:
+def permute(hidden: Tensor, plan: DispatchPlan, grad_handoff: Optional["DispatchGradHandoff"] = None) -> Tensor:
     """Gather ``hidden [S, d]`` into the expert-major buffer ``[R, d]``.
 
     The backward sums each token's buffer-row gradients with one gather over the inverse
     permutation (``embedding_bag`` over ``plan.route_row``): no zero-filled ``[S, d]``
-    buffer and no scatter-add. Tokens with no kept route get a zero gradient.
+    buffer and no scatter-add. Tokens with no kept route get a zero gradient. With
+    ``grad_handoff`` (the layer passes the router's, see :class:`DispatchGradHandoff`) that
+    gather is left to the node that produced ``hidden``.
 
     Example::
 
@@ -126,7 +128,51 @@ def permute(hidden: Tensor, plan: DispatchPlan) -> Tensor:
     """
     if plan.route_row is None:
         return hidden.index_select(0, plan.token_index)
-    return _Permute.apply(hidden, plan.token_index, plan.route_row, plan.route_offsets)
+    return _Permute.apply(hidden, plan.token_index, plan.route_row, plan.route_offsets, grad_handoff)
+
+
+class DispatchGradHandoff:
+    """Hands the dispatch's backward to the node that produced its input, so both run as one pass.
+
+    The layer's router returns its input ``x`` again as a view that the dispatch gathers (see
+    ``moe_proto.layer._RouterLogits``), so x's gradient is the gather-sum of the buffer's
+    gradient plus the router's term ``grad_logits @ w``. Separately that is two passes over
+    ``[S, d]`` (one writes the gather-sum, the next reads it back); here the dispatch's backward
+    deposits the buffer gradient and its inverse permutation and returns a zero-stride zero
+    placeholder, and the router's backward - which autograd runs after it, since it consumes
+    that gradient - takes the deposit and writes both terms in one C++ pass. Anything else
+    autograd summed into the placeholder (the view used elsewhere too) is kept and added.
+
+    Example::
+
+        handoff = DispatchGradHandoff()
+        buffer = permute(x_view, plan, grad_handoff=handoff)   # backward: handoff.put(...)
+        deposit, rest = handoff.take(grad_x)                   # in the producer's backward
+    """
+
+    def __init__(self) -> None:
+        self._deposit: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+        self._placeholder: Optional[Tensor] = None
+
+    @staticmethod
+    def accepts(grad: Tensor) -> bool:
+        """Only where the fused C++ pass exists (fp32 CPU and the op library built)."""
+        return cpu_ops_for(grad) is not None
+
+    def put(self, grad: Tensor, route_row: Tensor, route_offsets: Tensor, shape: torch.Size) -> Tensor:
+        """Deposit the buffer gradient; returns the placeholder gradient of the input (zeros, no memory)."""
+        self._deposit = (grad, route_row, route_offsets)
+        self._placeholder = grad.new_zeros(()).expand(shape)
+        return self._placeholder
+
+    def take(self, grad_x: Optional[Tensor]) -> Tuple[Optional[Tuple[Tensor, Tensor, Tensor]], Optional[Tensor]]:
+        """``(deposit or None, grad_x without the placeholder)``; clears the handoff."""
+        deposit, placeholder = self._deposit, self._placeholder
+        self._deposit = self._placeholder = None
+        if deposit is not None and grad_x is not None and placeholder is not None and \
+                grad_x.stride() == placeholder.stride() and grad_x.data_ptr() == placeholder.data_ptr():
+            grad_x = None  # nothing but the placeholder arrived
+        return deposit, grad_x
 
 
 def unpermute(expert_output: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
@@ -174,15 +220,19 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, token_index: Tensor, route_row: Tensor,  # type: ignore[override]
-                route_offsets: Tensor) -> Tensor:
+                route_offsets: Tensor, grad_handoff: Optional[DispatchGradHandoff]) -> Tensor:
         ctx.save_for_backward(route_row, route_offsets)
+        ctx.grad_handoff, ctx.x_shape = grad_handoff, x.shape
         return x.index_select(0, token_index)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         route_row, route_offsets = ctx.saved_tensors
-        return _sum_rows(grad.detach().contiguous(), route_row, route_offsets), None, None, None
+        grad = grad.detach().contiguous()
+        if ctx.grad_handoff is not None and ctx.grad_handoff.accepts(grad):
+            return ctx.grad_handoff.put(grad, route_row, route_offsets, ctx.x_shape), None, None, None, None
+        return _sum_rows(grad, route_row, route_offsets), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -72,25 +72,36 @@ class _RouterLogits(torch.autograd.Function):
     Dispatching that second output instead of ``x`` makes this one node receive both
     gradients of ``x`` (the router's and the dispatch's), so its backward writes
     ``dispatch's + g @ w`` in one pass over ``[S, d]`` (C++, :mod:`moe_proto.ops`) where autograd
-    would write ``g @ w`` to a new tensor and then add the two.
+    would write ``g @ w`` to a new tensor and then add the two. With a
+    :class:`~moe_proto.dispatch.DispatchGradHandoff` shared with the dispatch, the dispatch's own
+    backward (the gather-sum of the buffer rows) runs inside that pass too.
     The weight gradient is ``g.T @ x``: the same product autograd's ``linear`` takes as
     ``x.T @ g`` and transposes, 40% faster on a cold ``[4096, 256]`` input (0.48 against
     0.79 ms, one thread).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx, x: Tensor, w: Tensor,  # type: ignore[override]
+                grad_handoff: Optional[dispatch_ops.DispatchGradHandoff] = None) -> Tuple[Tensor, Tensor]:
         ctx.save_for_backward(x, w)
         ctx.set_materialize_grads(False)
+        ctx.grad_handoff = grad_handoff
         return x @ w.t(), x.view_as(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Optional[Tensor], grad_x: Optional[Tensor]):  # type: ignore[override]
         x, w = ctx.saved_tensors
+        deposit = None
+        if ctx.grad_handoff is not None:
+            deposit, grad_x = ctx.grad_handoff.take(grad_x)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            if grad is None:
+            if deposit is not None:
+                dx = _router_input_grad_from_buffer(deposit, grad, w, x)
+                if grad_x is not None:
+                    dx.add_(grad_x)
+            elif grad is None:
                 dx = grad_x
             elif grad_x is None:
                 dx = torch.mm(grad.contiguous(), w, out=default_pool().empty(x.shape, x.dtype, x.device))
@@ -98,7 +109,7 @@ class _RouterLogits(torch.autograd.Function):
                 dx = _add_router_input_grad(grad_x, grad, w)
         if ctx.needs_input_grad[1] and grad is not None:
             dw = grad.t() @ x
-        return dx, dw
+        return dx, dw, None
 
 
 def _add_router_input_grad(grad_x: Tensor, grad: Tensor, w: Tensor) -> Tensor:
@@ -108,6 +119,19 @@ def _add_router_input_grad(grad_x: Tensor, grad: Tensor, w: Tensor) -> Tensor:
         return torch.addmm(grad_x, grad, w)
     out = default_pool().empty(grad_x.shape, grad_x.dtype, grad_x.device)
     ops.add_router_input_grad(grad_x.contiguous(), grad.contiguous(), w.contiguous(), out)
+    return out
+
+
+def _router_input_grad_from_buffer(deposit: Tuple[Tensor, Tensor, Tensor], grad: Optional[Tensor], w: Tensor,
+                                   x: Tensor) -> Tensor:
+    """x's gradient from the dispatch buffer's (gathered and summed per token) plus ``grad @ w``, one C++ pass."""
+    buffer_grad, route_row, route_offsets = deposit
+    if grad is None:  # the logits took no gradient: the router's term is zero
+        grad = x.new_zeros(x.shape[0], w.shape[0])
+    ops = cpu_ops_for(buffer_grad, grad, w)  # the dispatch deposited only where this holds
+    out = default_pool().empty(x.shape, x.dtype, x.device)
+    ops.add_router_input_grad(buffer_grad, grad.contiguous(), w.contiguous(), out, route_row.contiguous(),
+                              route_offsets.contiguous())
     return out
 
 
@@ -284,8 +308,8 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
                 raise ValueError(f"aux_loss_scope='sequence' needs [batch, seq, hidden] inputs to find the "
                                  f"sequences, got shape {tuple(hidden_states.shape)}")
             sequence_length = hidden_states.shape[1]
-        record, dispatch_input = self._route(x, used_token, sequence_length)
-        buffer, plan = self.dispatch(dispatch_input, record)
+        record, dispatch_input, grad_handoff = self._route(x, used_token, sequence_length)
+        buffer, plan = self.dispatch(dispatch_input, record, grad_handoff)
         expert_output = self.compute(buffer, plan)
         output = self.combine(expert_output, plan, x.shape[0]).view_as(hidden_states)
         if self.args.use_residual:
@@ -311,17 +335,20 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
         return self._route(x, used_token, sequence_length)[0]
 
     def _route(self, x: Tensor, used_token: Optional[Tensor],
-               sequence_length: Optional[int]) -> Tuple[RoutingRecord, Tensor]:
-        """:meth:`route`, and the tensor to dispatch: ``x`` itself or, when the router reads ``x`` as it is
-        (fp32, no jitter), the router's view of it, so that one backward node sums both gradients of ``x``."""
+               sequence_length: Optional[int]
+               ) -> Tuple[RoutingRecord, Tensor, Optional[dispatch_ops.DispatchGradHandoff]]:
+        """:meth:`route`, the tensor to dispatch and the handoff to dispatch it with: ``x`` itself and None or,
+        when the router reads ``x`` as it is (fp32, no jitter), the router's view of it and a handoff, so that
+        one backward node writes both gradients of ``x`` in one pass."""
         args = self.args
         gate_input = x.float()
         if self.training and args.noise_policy == "Jitter":
             gate_input = routing.multiplicative_jitter(gate_input, JITTER_EPS)
-        logits, router_input = _RouterLogits.apply(gate_input, self.gate.weight.float())
+        handoff = dispatch_ops.DispatchGradHandoff() if gate_input is x else None
+        logits, router_input = _RouterLogits.apply(gate_input, self.gate.weight.float(), handoff)
         self._check_finite(x, logits, used_token)
         return self._route_logits(logits, x, used_token, sequence_length), \
-            router_input if gate_input is x else x
+            router_input if gate_input is x else x, handoff
 
     def _route_logits(self, logits: Tensor, x: Tensor, used_token: Optional[Tensor],
                       sequence_length: Optional[int]) -> RoutingRecord:
@@ -379,10 +406,14 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
             f"MoE layer (hidden_size {self.args.hidden_size}, {self.args.num_experts} experts): router logits are "
             f"not finite for {bad.numel()} of {x.shape[0]} tokens (first: token {int(bad[0])}): {cause}")
 
-    def dispatch(self, x: Tensor, record: RoutingRecord) -> Tuple[Tensor, DispatchPlan]:
-        """Stage 2: index plan and the expert-major buffer ``[kept routes, hidden]``."""
+    def dispatch(self, x: Tensor, record: RoutingRecord,
+                 grad_handoff: Optional[dispatch_ops.DispatchGradHandoff] = None) -> Tuple[Tensor, DispatchPlan]:
+        """Stage 2: index plan and the expert-major buffer ``[kept routes, hidden]``.
+
+        ``grad_handoff``: the router's (see :meth:`forward`), when ``x`` is its view of the input.
+        """
         plan = dispatch_ops.plan_dispatch(record)
-        return dispatch_ops.permute(x, plan), plan
+        return dispatch_ops.permute(x, plan, grad_handoff), plan
 
     def compute(self, buffer: Tensor, plan: DispatchPlan) -> Tensor:
         """Stage 3: every expert over its rows, one grouped matmul per projection.

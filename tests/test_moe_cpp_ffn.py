@@ -215,13 +215,42 @@ def test_add_router_input_grad_kernel_matches_addmm(cpp, width):
         cpp.add_router_input_grad(grad_x, grad_logits, torch.randn(5, 7), out)
 
 
-def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch):
+@pytest.mark.parametrize("width", [19, 70, 256])
+def test_add_router_input_grad_kernel_gathers_the_dispatch_buffer_rows(cpp, width):
+    """With route_row/route_offsets: token t's term is the sum of its buffer rows (0, 1 or 2 here), as
+    embedding_bag sums them, plus grad_logits @ w."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, experts = 33, 5
+    routes_of_token = torch.randint(0, 3, (tokens,), generator=gen)
+    routes_of_token[-1] = 0  # an empty last bag: its end is the number of routes
+    route_offsets = torch.cumsum(routes_of_token, 0) - routes_of_token
+    rows = int(routes_of_token.sum())
+    route_row = torch.randperm(rows, generator=gen)
+    buffer_grad = torch.randn(rows, width, generator=gen)
+    grad_logits, w = torch.randn(tokens, experts, generator=gen), torch.randn(experts, width, generator=gen)
+    out = torch.empty(tokens, width)
+    cpp.add_router_input_grad(buffer_grad, grad_logits, w, out, route_row, route_offsets)
+    gathered = F.embedding_bag(route_row, buffer_grad, route_offsets, mode="sum")
+    torch.testing.assert_close(out, torch.addmm(gathered, grad_logits, w), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[routes_of_token == 0], (grad_logits @ w)[routes_of_token == 0])
+    bad = route_row.clone()
+    bad[4] = rows
+    with pytest.raises(RuntimeError, match=f"route_row\\[4\\] = {rows} is outside the buffer's {rows} rows"):
+        cpp.add_router_input_grad(buffer_grad, grad_logits, w, out, bad, route_offsets)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        cpp.add_router_input_grad(buffer_grad, grad_logits, w, out, route_row, route_offsets.flip(0))
+    with pytest.raises(RuntimeError, match="come together"):
+        cpp.add_router_input_grad(buffer_grad, grad_logits, w, out, route_row, None)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch, k):
     """The layer with every C++ kernel against the layer with none (each falls back to its torch expression)."""
     from moe_proto import MoE, dispatch, experts, layer, routing
 
     def grads():
         torch.manual_seed(0)
-        moe = MoE(16, None, 4, k=2, ffn_hidden_size=24, capacity_factor=1.0, use_rts=False,
+        moe = MoE(16, None, 4, k=k, ffn_hidden_size=24, capacity_factor=1.0, use_rts=False,
                   top2_2nd_expert_sampling=False)
         x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
         out, l_aux, _ = moe(x)
@@ -241,7 +270,7 @@ def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch):
     monkeypatch.setattr(routing, "load_cpu_ops", Counting)
     with_cpp = grads()
     assert used == {"assign_slots", "add_router_input_grad", "combine_backward", "expert_ffn_forward",
-                    "expert_ffn_backward"}, used  # k=2: no select_top1
+                    "expert_ffn_backward"} | ({"select_top1"} if k == 1 else set()), used
     monkeypatch.setattr(experts, "load_cpu_ops", lambda: None)
     for module in (dispatch, layer):
         monkeypatch.setattr(module, "cpu_ops_for", lambda *tensors: None)

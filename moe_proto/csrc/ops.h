@@ -21,9 +21,11 @@ void combine_backward(const at::Tensor& grad_out, const at::Tensor& y, const at:
                       const at::Tensor& token_index, c10::optional<at::Tensor> grad_y,
                       c10::optional<at::Tensor> grad_gate);
 
-// router_grad.cpp: out = grad_x + grad_logits @ w, one pass over the rows.
+// router_grad.cpp: out = grad_x + grad_logits @ w, one pass over the rows; with route_row/route_offsets grad_x is
+// the dispatch buffer's gradient, gathered and summed per token in the same pass.
 void add_router_input_grad(const at::Tensor& grad_x, const at::Tensor& grad_logits, const at::Tensor& w,
-                           at::Tensor& out);
+                           at::Tensor& out, const c10::optional<at::Tensor>& route_row,
+                           const c10::optional<at::Tensor>& route_offsets);
 
 // route_slots.cpp: routing decisions; ok=false where torch's tie or NaN order decides (the caller falls back).
 std::tuple<at::Tensor, bool> select_top1(const at::Tensor& scores);
