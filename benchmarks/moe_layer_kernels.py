@@ -1,8 +1,9 @@
 """Paired A/B of the MoE layer's non-expert C++ kernels (issue 14 item 3): on against the torch paths they replaced.
 
 The kernels: the top-1 choice and the capacity slots (``moe_proto/csrc/route_slots.cpp``), the
-router's input gradient added to the dispatch's (``router_grad.cpp``, with the router's view of
-``x`` that lets one node receive both gradients) and the combine's two gradients in one pass
+router's input gradient and the dispatch's in one pass (``router_grad.cpp``, with the router's view of
+``x`` that lets one node receive both gradients, and the ``DispatchGradHandoff`` that leaves the
+dispatch's gather to that pass) and the combine's two gradients in one pass
 (``combine_grad.cpp``). "Torch paths" turns exactly those off (the routing functions' and the
 combine's torch expressions, ``x`` dispatched itself); the expert FFN stays in C++ in both arms.
 
