@@ -1,8 +1,9 @@
-"""moe_proto's C++ CPU ops, one library: the expert FFN loop and two backward kernels of the layer.
+"""moe_proto's C++ CPU ops, one library: the expert FFN loop and the layer's other heavy steps.
 
 * ``csrc/expert_ffn.cpp``: the expert FFN loop with the activation and its derivative in one pass;
 * ``csrc/combine_grad.cpp``: both gradients of the combine in one pass (``moe_proto.dispatch``);
-* ``csrc/router_grad.cpp``: the router's input gradient added to the dispatch's (``moe_proto.layer``).
+* ``csrc/router_grad.cpp``: the router's input gradient and the dispatch's in one pass (``moe_proto.layer``);
+* ``csrc/route_slots.cpp``: the top-1 choice and the capacity slots (``moe_proto.routing``).
 
 They are JIT-built once (``torch.utils.cpp_extension`` through
 :mod:`sparse_scale.base.jit_build`: a cache folder per CPU kind, stale build locks
@@ -18,9 +19,9 @@ one thread, forward+backward of the expert stage with the router's uneven loads,
 keeps the derivative instead of the pre-activation, same memory), the biases are added
 and summed inside those passes, and the per-expert loop runs in C++ without the GIL.
 
-Prebuild (``make venv`` does it, through ``python -m sparse_scale.prebuild``)::
+Prebuild (``make venv`` does it; :mod:`moe_proto.prebuild`)::
 
-    python -m moe_proto.ops --prebuild
+    python -m moe_proto.prebuild
 
 Example::
 
@@ -28,10 +29,8 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -99,7 +98,7 @@ def load_cpu_ops(*, verbose: bool = False, clear_stale: bool = True) -> Optional
         if reason is not None:
             _state["failed"] = reason
             logger.warning("moe_proto: the C++ CPU ops are unavailable; the torch paths run (slower on CPU). "
-                           "Reason: %s. Fix: install g++ and ninja, then run `python -m moe_proto.ops --prebuild`.",
+                           "Reason: %s. Fix: install g++ and ninja, then run `python -m moe_proto.prebuild`.",
                            reason)
             return None
         logger.info("moe_proto C++ CPU ops ready in %.1f s (%s)", time.perf_counter() - started,
@@ -123,24 +122,3 @@ def reset() -> None:
     """Forget a failed build so the next :func:`load_cpu_ops` tries again (tests, or after installing g++)."""
     with _lock:
         _state["failed"] = None
-
-
-def main(argv: Optional[list] = None) -> int:
-    """``python -m moe_proto.ops --prebuild``: build now (exit 0) or say why not (exit 1)."""
-    parser = argparse.ArgumentParser(prog="python -m moe_proto.ops", description=__doc__.split("\n")[0])
-    parser.add_argument("--prebuild", action="store_true", help="compile the op into the torch extensions cache")
-    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not args.prebuild:
-        parser.print_help()
-        return 2
-    try:
-        return 0 if load_cpu_ops(verbose=args.verbose) is not None else 1
-    except jit_build.StaleLockError as exc:
-        logger.error("%s", exc)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
