@@ -122,3 +122,7 @@ def reset() -> None:
     """Forget a failed build so the next :func:`load_cpu_ops` tries again (tests, or after installing g++)."""
     with _lock:
         _state["failed"] = None
+
+
+if __name__ == "__main__":  # the old prebuild command: say where it went instead of exiting 0 with nothing built
+    raise SystemExit("moe_proto.ops is the library; build it with `python -m moe_proto.prebuild`")

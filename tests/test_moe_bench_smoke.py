@@ -199,3 +199,18 @@ def test_ep_layout_benchmark_arms_compute_the_same_and_it_runs_on_two_ranks():
         sys.path.remove(folder)
         sys.modules.pop("moe_ep_layout", None)
         sys.modules.pop("moe_layer_bench", None)
+
+
+def test_router_grad_benchmark_arms_agree_on_tiny_sizes():
+    """benchmarks/moe_router_grad.py: both arms run and compute the same gradient (no timing asserts)."""
+    spec = importlib.util.spec_from_file_location("moe_router_grad_bench", _BENCH.parent / "moe_router_grad.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = torch.get_num_threads()
+    try:
+        for routes in (1, 2):
+            two, one, difference = module.run(tokens=37, hidden=70, experts=5, routes=routes, reps=2,
+                                              evict_bytes=1 << 16)
+            assert two > 0 and one > 0 and difference < 1e-5
+    finally:
+        torch.set_num_threads(before)

@@ -291,3 +291,6 @@ def test_prebuild_command_builds_or_finds_the_library_without_warnings(cpp):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "RuntimeWarning" not in done.stderr
     assert "moe_proto C++ CPU ops ready" in done.stderr
+    old = subprocess.run([sys.executable, "-m", "moe_proto.ops", "--prebuild"], capture_output=True, text=True,
+                         timeout=120)
+    assert old.returncode == 1 and "python -m moe_proto.prebuild" in old.stderr  # not a silent exit 0
