@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,9 @@ class GBAEngine:
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, ds_engine, module: torch.nn.Module,
                  micro: int, gas: int, server_stats: dict | None = None,
                  tables: list[ServerTableSpec] | None = None, joined_phase: int | None = None,
-                 row_cache: "CacheConfig | None" = None) -> None:
+                 row_cache: "CacheConfig | None" = None, on_close: Sequence[Callable[[], None]] = ()) -> None:
         self.rt, self.gba, self.spec, self.ds_engine, self.module = rt, gba, spec, ds_engine, module
+        self._on_close = tuple(on_close)  # the job's guards on this rank (collective_guard.py), ended by close()
         self.tables = list(tables or [])
         self.micro_batch, self.gas = micro, gas
         self.server_stats = server_stats
@@ -442,6 +443,9 @@ class GBAEngine:
             self.rt.store.set(done_key(self.rt.rank), FLAG)
         except Exception as exc:  # the servers may already be gone after a failure: nothing left to tell
             logger.info("rank %d: close could not reach the servers: %s", self.rt.rank, exc)
+        finally:
+            for end in self._on_close:
+                end()
         self.rt.close()
 
     def _worker_only(self, what: str) -> None:

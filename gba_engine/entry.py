@@ -50,7 +50,9 @@ import torch.distributed as dist
 from picasso_ops.config import CacheConfig
 from torch.nn.utils import parameters_to_vector
 
+from .collective_guard import CollectiveWatch, DefaultGroupDeadline
 from .engine import GBAEngine
+from .model_check import check_gba_model
 from .protocol import decode_int, joinable_key
 from .ps import init_runtime
 from .ps.link import LinkModel
@@ -75,6 +77,12 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     puts a read cache of server rows on each worker (``row_cache.py``; ``rows`` per table).
     ``link``: a modelled slow link to the servers (``ps/link.py``); give the same on every rank.
 
+    Refused on every rank before anything waits on another (``GBAModelError``, ``model_check.py``): modules
+    that run collectives in their step or train rows on the workers (picasso's data-parallel / row-sharded /
+    cached / plain packed tables); use ``gba_engine.packed_tables.ServerPackedFieldEmbeddings``. During the
+    job a collective over the default group fails after ``gba.timeout_s``, and one the servers never join
+    is named to the servers, which stop with ``StuckCollectiveError`` (``collective_guard.py``).
+
     Example::
 
         engine = initialize(model=net, config="ds_configs/gba_cpu.json", control_host="127.0.0.1")
@@ -82,6 +90,8 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
             loss = F.mse_loss(engine(x), y); engine.backward(loss); engine.step(); engine.close()
     """
     ds, gba, source = load_config(config)
+    # every rank sees the same model: each refuses alone, before anything waits on another rank
+    check_gba_model(model, entry=f"gba_engine.initialize ({source})")
     if not dist.is_initialized():
         import deepspeed
 
@@ -89,22 +99,36 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
     spec = check_config(ds, gba, dist.get_world_size(), source)
     tables, collections = server_tables(model)
     tables = with_schedule_peaks(tables, ds, spec)  # tables with their own optimizer follow the config's schedule
-    rt = init_runtime(gba, control_host=control_host, link=link)
-    singles = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist.get_world_size())]  # every rank creates all
-    flat0 = parameters_to_vector([p.detach().float() for p in model.parameters()]).clone()
-    micro, gas = batch_shape(ds)
-    if rt.is_server:
-        stats = ServerLoop(rt, gba, spec, flat0, server_schedule(ds, spec), tables, clip_norm(ds)).run()
-        rt.close()
-        return GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model, micro=micro, gas=gas,
-                         server_stats=stats)
-    import deepspeed
+    # the servers never join a collective during the job: one over the default group fails after timeout_s
+    deadline = DefaultGroupDeadline(gba.timeout_s)
+    watch = None
+    try:
+        rt = init_runtime(gba, control_host=control_host, link=link)
+        singles = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist.get_world_size())]  # every rank: all
+        flat0 = parameters_to_vector([p.detach().float() for p in model.parameters()]).clone()
+        micro, gas = batch_shape(ds)
+        if rt.is_server:
+            try:
+                stats = ServerLoop(rt, gba, spec, flat0, server_schedule(ds, spec), tables, clip_norm(ds)).run()
+            finally:
+                deadline.restore()  # the job is over on this rank: collectives wait as long as before
+            rt.close()
+            return GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=None, module=model, micro=micro, gas=gas,
+                             server_stats=stats)
+        watch = CollectiveWatch(rt, model)  # names a collective the servers never join, to this rank and the servers
+        import deepspeed
 
-    ds_engine, _, _, _ = deepspeed.initialize(model=model, config=ds, mpu=WorkerMPU(rt.worker_group, singles[rt.rank]),
-                                              model_parameters=model_parameters if model_parameters is not None
-                                              else model.parameters(), **deepspeed_kwargs)
-    engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=model, micro=micro, gas=gas,
-                       tables=tables, row_cache=row_cache)
+        ds_engine, _, _, _ = deepspeed.initialize(model=model, config=ds,
+                                                  mpu=WorkerMPU(rt.worker_group, singles[rt.rank]),
+                                                  model_parameters=model_parameters if model_parameters is not None
+                                                  else model.parameters(), **deepspeed_kwargs)
+        engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=model, micro=micro, gas=gas,
+                           tables=tables, row_cache=row_cache, on_close=(watch.stop, deadline.restore))
+    except BaseException:
+        if watch is not None:
+            watch.stop()
+        deadline.restore()
+        raise
     for c in collections:
         c.bind(engine)
     return engine
@@ -121,7 +145,8 @@ def rejoin(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any]
     with each server. The job must be in a gba phase it keeps: mode ``gba``, or ``auto``
     after a lost worker pinned it to gba (DeepSpeed's all-reduce group is fixed at launch, so
     a restarted process cannot take part in sync training). The old process must be dead
-    (its heartbeat stopped for 5 x ``heartbeat_s``). Every failed check is a clear error.
+    (its heartbeat stopped for 5 x ``heartbeat_s``). Every failed check is a clear error; the model is
+    checked as in :func:`initialize` (``GBAModelError``) before anything is asked of the job.
 
     The engine has no DeepSpeed engine and no ``worker_group`` (collectives over the
     launch's workers cannot include it); :meth:`GBAEngine.claim_batches` continues the job's
@@ -135,6 +160,7 @@ def rejoin(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, Any]
         engine.close()
     """
     ds, gba, source = load_config(config)
+    check_gba_model(model, entry=f"gba_engine.rejoin ({source})")
     if gba.mode == "sync":
         raise ValueError(f"{source}: gba.mode='sync' has no parameter-server phase a restarted worker can join "
                          "(DeepSpeed's all-reduce group is fixed at launch); use mode gba or auto")

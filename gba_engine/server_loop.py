@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .checkpoint import load_shard, load_tables, save_shard
+from .collective_guard import raise_if_stuck
 from .config import GBAConfig
 from .protocol import (FLAG, Ack, Command, GetState, LoadShards, PutState, SaveRequest, SaveShards, Serve, ack_key,
                        command_key, decode_command, done_key, encode_stats, exhausted_key, save_done_key,
@@ -124,7 +125,8 @@ class ServerLoop:
         self.rt.store.set(stats_key(self.index), encode_stats(out))
 
     def tick(self, ps: ParameterServer) -> None:
-        """During a phase: answer a pending save request, publish live stats."""
+        """During a phase: stop if a worker is stuck in a collective, answer a pending save request, publish stats."""
+        raise_if_stuck(self.rt)  # the phase's own waits end on the workers' liveness; a stuck worker still beats
         store = self.rt.store
         if store.check([save_request_key()]):
             req = SaveRequest.decode(store.get(save_request_key()))
@@ -143,10 +145,18 @@ class ServerLoop:
         self._publish({**ps.control.stats.as_dict(), "version": ps.version})
 
     def _wait_command(self, seq: int) -> Command | None:
+        """Command ``seq``, or None once every worker finished or is gone.
+
+        Waiting is legitimate while any worker heartbeats (a sync job without server tables sends nothing
+        for the whole job); it ends with :class:`~gba_engine.collective_guard.StuckCollectiveError` when a
+        worker is found waiting in a collective the servers never join, and with ``ServerLostError`` when
+        the job is aborted.
+        """
         live = Liveness(self.rt, self.rt.layout.workers)
         while True:
             if self.rt.store.check([command_key(seq)]):
                 return decode_command(self.rt.store.get(command_key(seq)))
+            raise_if_stuck(self.rt)
             lost = live.poll()
             if all(w in lost or self.rt.store.check([done_key(w)]) for w in self.rt.layout.workers):
                 return None  # every worker finished or is gone: the job is over

@@ -84,6 +84,9 @@ class ZeRO3MoE(_AutoEPMoELayer):
             raise ValueError(f"ZeRO3MoE is the ZeRO stage 3 layer, got zero_stage={stage}: use moe_proto.MoE "
                              "for stages 0-2")
         MoE.__init__(self, *args, **kwargs)  # nn.Module.__init__ plus moe_proto's layer; not AutoEP's constructor
+        self._mark_for_zero3()
+
+    def _mark_for_zero3(self) -> None:
         if any(is_zero3_param(p) for p in self.parameters()):
             # zero.Init partitions over all ranks; the engine (_resolve_zero3_param_placement) would refuse it later.
             raise ValueError("ZeRO3MoE built inside deepspeed.zero.Init: its experts must be partitioned over their "
@@ -116,6 +119,25 @@ class ZeRO3MoE(_AutoEPMoELayer):
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
         # DeepSpeed MoE's name for the same step, as on moe_proto.MoE.
         self.set_deepspeed_parallelism(use_data_before_expert_parallel_)
+
+
+def to_zero3(layer: MoE) -> "ZeRO3MoE":
+    """Make a built :class:`moe_proto.MoE` the ZeRO stage 3 layer in place (same weights); returns it.
+
+    For a model built without ``zero_stage=3`` that meets a stage 3 config (``sparse_scale.initialize``
+    calls it before ``deepspeed.initialize``). A :class:`ZeRO3MoE` is returned as it is.
+
+    Example::
+
+        layer = to_zero3(MoE(16, None, num_experts=4, ffn_hidden_size=32, use_rts=False))
+    """
+    if isinstance(layer, ZeRO3MoE):
+        return layer
+    if type(layer) is not MoE:
+        raise TypeError(f"to_zero3 converts moe_proto.MoE layers, got {type(layer).__name__}")
+    layer.__class__ = ZeRO3MoE  # the stages are MoE's own functions (see _share_members); only markers differ
+    layer._mark_for_zero3()
+    return layer
 
 
 def _share_members(target: type, source: type) -> None:

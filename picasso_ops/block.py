@@ -11,9 +11,10 @@ for the rest:
   into one store (``"memory"``: host tensors; ``"mmap"``: a file per rank and
   module under ``workdir/picasso_cache/``) behind a cache of ``rows`` rows.
   Training through it gives the same weights as without it, bit for bit.
-  ``"ps"`` (rows on gba_engine's parameter servers) is refused: those servers
-  exist only with a ``gba`` block, which train_rec cannot combine with
-  ``picasso`` yet. The cache serves data-parallel tables only.
+  ``"ps"`` (rows on gba_engine's parameter servers) is refused here: with a
+  ``gba`` block train_rec puts that cache in front of the servers instead
+  (``gba_engine/row_cache.py``), without one there are no servers. The cache
+  serves data-parallel tables only.
 * ``interleave.micro_batches`` ``K > 1``: the model is wrapped in
   :class:`~picasso_ops.interleave.InterleavedForward` (lookups, dense compute
   and embedding backwards of ``K`` micro-batches overlap on threads inside the
@@ -53,7 +54,8 @@ from picasso_ops.interleave.forward import InterleavedForward
 from picasso_ops.models.wide_deep import PackedFieldEmbeddings
 
 __all__ = ["PicassoBlockError", "apply_picasso_block", "bounds_check_summary", "cached_field_embeddings",
-           "cached_modules", "flush_caches", "picasso_summary", "monitor_events", "set_bounds_check", "with_children"]
+           "cached_modules", "flush_caches", "picasso_summary", "monitor_events", "scheduled_sparse_lr",
+           "set_bounds_check", "with_children"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +109,8 @@ def check_cache_config(cache: CacheConfig, table_rows: dict[str, int], *, shardi
     if cache.store == "ps":
         raise PicassoBlockError(
             'picasso.cache.store = "ps": the parameter-server store keeps rows on gba_engine\'s servers, which only '
-            "a gba block starts, and train_rec cannot combine the gba and picasso blocks yet; use \"memory\" or "
-            '"mmap"')
+            "a gba block starts; add a gba block (the rec job then puts the cache in front of the servers) or use "
+            '"memory" or "mmap"')
     if sharding != "data_parallel":
         raise PicassoBlockError(
             f'picasso.cache with picasso.sharding = "{sharding}": the cache serves data-parallel tables (every rank '
@@ -216,6 +218,23 @@ def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Opti
         if rank == 0:
             logger.info("picasso interleave: %d micro-batches per batch", block.interleave.micro_batches)
     return model
+
+
+def scheduled_sparse_lr(block: Any) -> float | None:
+    """The packed tables' peak lr for ``engine_step`` when they follow DeepSpeed's schedule, else ``None``.
+
+    ``picasso.optimizer.lr_schedule`` ``"deepspeed"``: the tables' lr at each step
+    is ``picasso.optimizer.lr`` x DeepSpeed's lr of that step / its schedule's
+    peak; ``"constant"`` (or no picasso block): ``None``, the block's lr throughout.
+
+    Example::
+
+        >>> scheduled_sparse_lr(PicassoConfig.model_validate({"optimizer": {"type": "adam", "lr": 0.001}}))
+        0.001
+    """
+    if block is None or block.optimizer.lr_schedule != "deepspeed":
+        return None
+    return float(block.optimizer.lr)
 
 
 def set_bounds_check(model: nn.Module, block: PicassoConfig) -> int:

@@ -321,6 +321,18 @@ for flag, value, words in [
     case(f"{flag} {value}", "train_rec flags", BEFORE_STEP_1, CliError, *words)(
         lambda t, flag=flag, value=value: _rec(t, flag, value))
 
+# values the synthetic stream refuses (picasso_ops SyntheticConfig): named by flag, not in pydantic's words
+for flag, value, words in [
+    ("--fields", "5", ("--fields 5: must be >= 26", "<= 1000")),
+    ("--fields", "2000", ("--fields 2000: must be <= 1000",)),
+    ("--vocab", "3000000000", ("--vocab 3000000000: must lie in [1, 2147483648]",)),
+    ("--zipf", "0.5", ("--zipf 0.5: must be > 1.0", "<= 4.0")), ("--zipf", "9", ("--zipf 9.0: must be <= 4.0",)),
+    ("--max-hot", "2000", ("--max-hot 2000: must be <= 1024",)),
+    ("--num-dense", "20000", ("--num-dense 20000: must be <= 10000",)), ("--seed", "-1", ("--seed -1: must be >= 0",)),
+]:
+    case(f"{flag} {value} (synthetic stream)", "train_rec flags", BEFORE_STEP_1, CliError, *words)(
+        lambda t, flag=flag, value=value: _rec(t, flag, value))
+
 for flag, value, words in [
     ("--straggler", "0:nan", ("argument --straggler", "'0:nan'", "FACTOR a finite number >= 1")),
     ("--straggler", "0:inf", ("argument --straggler", "'0:inf'", "finite")),

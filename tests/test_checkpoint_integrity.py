@@ -70,6 +70,29 @@ def test_no_space_message_and_detection():
     assert atomic.no_space_message(Path("/tmp"), 5_000_000).startswith("no space left on /tmp: need ~5.0 MB")
 
 
+def _full_disk(save_dir: Path) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_no_space_message_names_the_previous_checkpoint_or_says_there_is_none(tmp_path):
+    ckpt = tmp_path / "ck"
+    with pytest.raises(atomic.NoSpaceError) as info:  # the first save of a run
+        atomic.staged_save(ckpt, "step2", _full_disk, 10)
+    assert "no checkpoint was written yet, so there is nothing to resume from" in str(info.value)
+    assert "intact" not in str(info.value)
+
+    _stage(ckpt, "step2", {"model.pt": b"a" * 10})
+    _stage(ckpt, "step4", {"model.pt": b"b" * 10})
+    with pytest.raises(atomic.NoSpaceError) as info:
+        atomic.staged_save(ckpt, "step6", _full_disk, 10)
+    assert f"the previous checkpoint {ckpt / 'step4'} is intact (free space" in str(info.value)
+    assert atomic.latest_checkpoint(ckpt) == ckpt / "step4" and not (ckpt / atomic.STAGING / "step6").exists()
+
+    (ckpt / "latest").unlink()  # no pointer: the newest finished folder is what a resume takes
+    assert f"the previous checkpoint {ckpt / 'step4'} is intact" in atomic.no_space_message(ckpt, 10, free=0)
+    assert atomic.latest_checkpoint(tmp_path / "missing") is None
+
+
 # --- real rec jobs --------------------------------------------------------------------------------------------
 
 def _config(tmp_path: Path) -> str:
@@ -93,15 +116,16 @@ def _train(rank, world_size, argv, patch_space=None):
 
     if patch_space == "skip_precheck":  # the estimate is too low: the write itself meets the full disk
         checkpoint.atomic.check_space = lambda ckpt_dir, need: None
-    elif patch_space == "simulate":  # no tmpfs (not root): the torch write fails the way a full disk makes it
+    elif patch_space and patch_space.startswith("simulate"):  # no tmpfs (not root): torch fails as a full disk does
         import torch
 
         real_save, calls = torch.save, {"n": 0}
+        fits = int(patch_space.partition(":")[2] or 2)  # writes that fit before the disk is full
 
         def failing_save(obj, f, *args, **kwargs):
             if ".partial" in str(f):
                 calls["n"] += 1
-                if calls["n"] > 2:
+                if calls["n"] > fits:
                     raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
             return real_save(obj, f, *args, **kwargs)
 
@@ -173,12 +197,21 @@ def test_full_disk_is_reported_and_keeps_the_previous_checkpoint(tmp_path, small
     got = _job(tmp_path, out, 6, "--save-every", "3", "--embedding-dim", "16", patch_space=patch)
     assert "error" in got, got
     assert got["error"].startswith(f"no space left on {out / 'checkpoints'}: need ~"), got["error"]
-    assert "MB" in got["error"] and "the previous checkpoint is intact" in got["error"]
     ckpt = out / "checkpoints"
+    assert "MB" in got["error"] and f"the previous checkpoint {ckpt / 'step3'} is intact" in got["error"]
     assert (ckpt / "latest").read_text() == "step3"
     atomic.verify(ckpt / "step3")
     assert not (ckpt / "step6").exists()
     assert not (ckpt / atomic.STAGING / "step6").exists()  # the half-written step folder is gone
+
+
+def test_full_disk_at_the_first_save_says_there_is_no_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    got = _job(tmp_path, out, 6, "--save-every", "3", patch_space="simulate:0")
+    assert "error" in got, got
+    assert got["error"].startswith(f"no space left on {out / 'checkpoints'}: need ~"), got["error"]
+    assert "no checkpoint was written yet, so there is nothing to resume from" in got["error"], got["error"]
+    assert "intact" not in got["error"] and not (out / "checkpoints" / "latest").exists()
 
 
 # --- the MoE LM job ---------------------------------------------------------------------------------------------

@@ -100,6 +100,43 @@ def test_missing_and_malformed_files(tmp_path):
         parse_config({"gba": "auto"})
 
 
+YAML_CONFIG = ("train_micro_batch_size_per_gpu: 32\noptimizer:\n  type: AdamW\n  params:\n    lr: 0.001\n"
+               "gba:\n  mode: auto\n")
+
+
+@pytest.mark.parametrize("name", ["job.yaml", "job.yml", "JOB.YAML"])
+def test_yaml_file_is_refused_at_load_naming_file_and_format(tmp_path, name):
+    p = _write(tmp_path, YAML_CONFIG, name=name)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: YAML is not read") and "DeepSpeed configs are JSON or hjson" in msg, msg
+
+
+@pytest.mark.parametrize("name", ["job.hjson", "job.cfg", "job"])
+def test_yaml_text_under_another_suffix_is_refused_not_read_as_strings(tmp_path, name):
+    # hjson would give {"optimizer": "type: AdamW", ...}: DeepSpeed then fails on str.keys()
+    p = _write(tmp_path, YAML_CONFIG, name=name)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: looks like YAML, which is not read (DeepSpeed configs are JSON or hjson)"), msg
+    assert "under 'optimizer'" in msg and "'type: AdamW'" in msg
+
+
+def test_file_that_parses_to_no_object_names_file_and_formats(tmp_path):
+    p = _write(tmp_path, "just some notes\n", name="notes.txt")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: top level must be an object, got str") and "JSON or hjson" in msg, msg
+
+
+def test_braceless_hjson_with_objects_is_still_read(tmp_path):
+    job = load_config(_write(tmp_path, "train_batch_size: 8\ngba: {\n  mode: auto\n}\n", name="c.hjson"))
+    assert job.ds == {"train_batch_size": 8} and job.blocks["gba"].mode == "auto"
+
+
 def test_exponential_decay_with_a_rate_that_never_decays_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"gba\.staleness: .*exponential.*rate < 1.*got 1\.0"):
         parse_config({"gba": {"staleness": {"decay": "exponential", "rate": 1.0}}}, source="job.json")

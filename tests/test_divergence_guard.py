@@ -1,4 +1,5 @@
-"""The divergence guard: a diverging run stops with a clear error, exit non-zero, and keeps the last good checkpoint."""
+"""The divergence guard: a diverging run stops with a clear error, exit non-zero, and keeps (and names) the last good
+checkpoint, or says that none was written yet."""
 import json
 from pathlib import Path
 
@@ -52,6 +53,24 @@ def test_non_finite_loss_and_grad_norm_name_step_and_value():
         guard.end_step(4, ds)
     with pytest.raises(ValueError, match="--max-skipped-steps 0"):
         DivergenceGuard(max_skipped_steps=0)
+
+
+def test_the_message_names_the_last_checkpoint_or_says_there_is_none(tmp_path):
+    guard, ds = DivergenceGuard(max_skipped_steps=5), _FakeDeepSpeed()
+    guard.start_step(ds)
+    guard.loss(float("nan"))
+    with pytest.raises(DivergenceError) as info:
+        guard.end_step(1, ds)
+    assert "no checkpoint was written yet, so there is nothing to resume from" in str(info.value)
+    assert "is kept" not in str(info.value)
+
+    guard = DivergenceGuard(max_skipped_steps=5, last_checkpoint=tmp_path / "step2")  # e.g. the one resumed from
+    guard.checkpoint_saved(tmp_path / "step4")
+    guard.start_step(ds)
+    guard.loss(float("inf"))
+    with pytest.raises(DivergenceError) as info:
+        guard.end_step(5, ds)
+    assert f"the last good checkpoint {tmp_path / 'step4'} is kept (resume from it with --resume)" in str(info.value)
 
 
 def test_non_finite_parameters_are_never_checkpointed():
@@ -132,9 +151,20 @@ def test_diverging_rec_job_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert got[0] is not None and got[1] is not None, "both ranks must stop, none may hang"
     assert "training diverged at step 6" in got[0] and "loss is nan" in got[0]
     ckpt = out / "checkpoints"
+    for message in got:  # names the checkpoint to resume from, on every rank
+        assert f"the last good checkpoint {ckpt / 'step4'} is kept (resume from it with --resume)" in message, message
     assert (ckpt / "latest").read_text() == "step4"  # step 6 diverged: never saved over the good one
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["step2", "step4"]
     assert not (out / "summary.json").exists()
+
+
+def test_diverging_before_any_save_says_there_is_no_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    argv = [*SMALL, "--config", _config(tmp_path, 0.003), "--out", str(out), "--steps", "12"]
+    got = run_distributed(_run_poisoned, 1, args=(argv, 3), timeout_s=40, init_process_group=False)[0]
+    assert got is not None and "training diverged at step 4" in got, got
+    assert "no checkpoint was written yet, so there is nothing to resume from" in got and "is kept" not in got, got
+    assert not (out / "checkpoints" / "latest").exists()
 
 
 def test_huge_learning_rate_exits_non_zero_with_a_clear_message(tmp_path):
@@ -197,4 +227,8 @@ def test_diverging_moe_lm_exits_non_zero_and_keeps_the_last_good_checkpoint(tmp_
     step = int(got["message"].split("training diverged at step ")[1].split(":")[0])
     latest = (out / "checkpoints" / "latest").read_text() if (out / "checkpoints" / "latest").exists() else None
     assert latest != f"step{step}" and not (out / "checkpoints" / f"step{step}").exists()
+    if latest is None:
+        assert "no checkpoint was written yet, so there is nothing to resume from" in got["message"], got
+    else:
+        assert f"the last good checkpoint {out / 'checkpoints' / latest} is kept" in got["message"], got
     assert not (out / "summary.json").exists()

@@ -184,23 +184,27 @@ def test_two_ranks_sum_loads_over_ranks_and_micro_batches(tmp_path):
         torch.testing.assert_close(r["reloaded"], want)
 
 
-def test_rec_tower_step_moves_the_bias_or_drops_a_skipped_step():
+def test_engine_step_moves_the_bias_or_drops_a_skipped_step():
     from types import SimpleNamespace
 
     from moe_proto.config import MoEProtoConfig
-    from sparse_scale.rec.moe_tower import MoETower, finish_moe_step
+    from sparse_scale.engine import SparseEngine
+    from sparse_scale.rec.moe_tower import MoETower
+
+    def engine(applied: bool) -> SparseEngine:  # DeepSpeed's engine at a boundary, its step applied or skipped
+        inner = SimpleNamespace(module=tower, is_gradient_accumulation_boundary=lambda: True, step=lambda: None,
+                                was_step_applied=lambda: applied)
+        return SparseEngine(inner, gba=False, sparse_lr=None)
 
     torch.manual_seed(0)
     tower = MoETower(16, (8, 8), MoEProtoConfig(num_experts=4, num_prototypes=2, expert_bias_update_rate=0.5))
     balance = tower.moe["1"].balance
     tower(torch.randn(32, 16))
-    skipped = SimpleNamespace(module=tower, worker_group=None, engine=SimpleNamespace(was_step_applied=lambda: False))
-    finish_moe_step(skipped)  # fp16 overflow: nothing moves, the loads go
+    engine(applied=False).step()  # fp16 overflow: nothing moves, the loads go
     assert float(balance.bias.abs().sum()) == 0 and int(balance.step_load.sum()) == 0
     tower(torch.randn(32, 16))
     load = balance.step_load.clone().double().view(2, 2)
-    finish_moe_step(SimpleNamespace(module=tower, worker_group=None,
-                                    engine=SimpleNamespace(was_step_applied=lambda: True)))
+    engine(applied=True).step()
     torch.testing.assert_close(balance.bias, (0.5 * torch.sign(load.mean(1, keepdim=True) - load)).reshape(-1).float())
     with pytest.raises(ValueError, match="no sequence dim"):
         MoETower(16, (8, 8), MoEProtoConfig(num_experts=4, aux_loss_scope="sequence"))

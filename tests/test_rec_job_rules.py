@@ -37,6 +37,7 @@ def files(tmp_path):
         "gba+ps-cache": _file(tmp_path, "pc", gba=gba, picasso={"cache": {"rows": 100, "store": "ps"}}),
         "gba+moe": _file(tmp_path, "gm", gba=gba, moe_proto={"num_experts": 4, "ep_size": 2}),
         "gba+moe-ep1": _file(tmp_path, "gm1", gba=gba, moe_proto={"num_experts": 4, "ep_size": 1}),
+        "gba+moe-bias": _file(tmp_path, "gmb", gba=gba, moe_proto={"num_experts": 4, "expert_bias_update_rate": 0.1}),
         "moe_model": _file(tmp_path, "mm", moe_model={"num_layers": 2, "d_model": 32, "num_heads": 2,
                                                        "ffn_hidden_size": 64}),
         "dropless": _file(tmp_path, "dl", moe_proto={"num_experts": 4, "dropless": True, "min_capacity": 8}),
@@ -60,8 +61,10 @@ REFUSED = [
     ("plain", "server-tables-without-gba", {"server_tables": True}, "--server-tables needs a gba block (the tables"),
     ("plain", "files-without-files", {"data": "criteo", "train_files": ("a.tsv",)},
      "--data criteo needs --train-files and --eval-files"),
-    ("dropless", "moe-dropless-unused-keys", {}, "moe_proto.dropless is true, so the tower keeps every route and "
-                                                 "never reads moe_proto.min_capacity"),
+    ("gba+moe-bias", "gba+moe-global-load", {}, "sum expert loads over the workers every step, and gba workers run "
+                                                "asynchronously"),
+    ("dropless", "moe-dropless-unused-keys", {}, "moe_proto.dropless is true, so the layers keep every route and "
+                                                 "never read moe_proto.min_capacity"),
     ("picasso8", "embedding-dim+picasso", {"embedding_dim": 32}, "--embedding-dim 32 with a picasso block: the "
                                                                  "packed tables take picasso.embedding_dim (8)"),
     ("gba+warn", "bounds-check-unsupported", {}, 'picasso.bounds_check "warn" with a gba block'),

@@ -17,8 +17,9 @@ from moe_proto.config import MoEProtoConfig
 from picasso_ops.data.batch import CTRBatch
 from picasso_ops.models import DLRM, DLRMArgs, WideAndDeep, WideAndDeepArgs
 from sparse_scale.multiproc import run_distributed
-from sparse_scale.rec.moe_tower import (MoETower, ReplicatedMoE, has_expert_parallel_layers, moe_layer_indices,
-                                        plus_aux_loss, towers_of)
+from moe_proto.param_groups import has_moe_layers
+from moe_proto.replicated import ReplicatedMoE
+from sparse_scale.rec.moe_tower import MoETower, moe_layer_indices, plus_aux_loss, towers_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = {"num_experts": 4, "num_prototypes": 2, "capacity_factor": 1.0, "min_capacity": 2}
@@ -61,7 +62,7 @@ def test_tower_trains_in_both_models_and_splits_into_stages(model):
            else DLRM(DLRMArgs([50] * 4, 3), top_mlp=_tower()))
     b = _batch()
     towers = towers_of(net)
-    assert len(towers) == 1 and has_expert_parallel_layers(net)
+    assert len(towers) == 1 and has_moe_layers(net)
     logits = net(b.dense, b.values, b.lengths)
     bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
     aux = towers[0][1].take_aux_loss()
@@ -97,7 +98,7 @@ def test_replicated_experts_are_dense_parameters_deepspeed_does_not_see():
     net = WideAndDeep(WideAndDeepArgs([50] * 4, 3), deep_tower=_tower(replicated=True))
     torch.manual_seed(0)
     parallel = WideAndDeep(WideAndDeepArgs([50] * 4, 3), deep_tower=_tower())
-    assert not has_expert_parallel_layers(net) and isinstance(net.mlp.moe["1"], ReplicatedMoE)
+    assert not has_moe_layers(net) and isinstance(net.mlp.moe["1"], ReplicatedMoE)
     assert net.state_dict().keys() == parallel.state_dict().keys()
     assert all(getattr(p, "allreduce", True) for p in net.parameters())  # reduced (or pushed) like the rest
     b = _batch()

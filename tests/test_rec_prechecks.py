@@ -87,3 +87,55 @@ def test_string_micro_batch_in_a_file_is_a_clear_cli_error(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="train_micro_batch_size_per_gpu"):
         cli.main(["--config", str(path), "--out", str(tmp_path / "out")])
+
+
+def _outside_and_edge(info) -> list[tuple[float, float]]:
+    """(a value the Field bound refuses, the nearest value it accepts) for each bound of a SyntheticConfig field."""
+    pairs = []
+    for item in info.metadata:
+        for key, step in (("ge", -1), ("gt", 0), ("le", 1), ("lt", 0)):
+            bound = getattr(item, key, None)
+            if bound is not None:
+                inside = bound if key in ("ge", "le") else bound + (0.5 if key == "gt" else -0.5)
+                pairs.append((bound + step if step else bound, inside))
+    return pairs
+
+
+@pytest.mark.parametrize("attr", sorted(__import__("sparse_scale.rec.config", fromlist=["x"]).SYNTHETIC_FLAGS))
+def test_every_synthetic_flag_bound_is_refused_by_job_config_naming_the_flag(attr):
+    """Each Field bound of the synthetic stream, one step outside: the flag is named, before any training."""
+    from picasso_ops.data.synthetic import SyntheticConfig
+    from sparse_scale.rec.config import SYNTHETIC_FLAGS
+
+    flag, field = SYNTHETIC_FLAGS[attr]
+    pairs = _outside_and_edge(SyntheticConfig.model_fields[field])
+    if attr == "vocab":  # checked by the model's validator: [1, MAX_VOCAB]
+        from picasso_ops.data.zipf import MAX_VOCAB
+        pairs = [(MAX_VOCAB + 1, MAX_VOCAB)]
+    if attr == "max_hot":
+        pairs = [(1025, 1024)]
+    assert pairs, f"{field}: no bound found"
+    for outside, edge in pairs:
+        cast = float if attr == "zipf" else int
+        with pytest.raises(RecJobError) as info:
+            cli.job_config(cli.parse_args(["--config", DEMO, flag, str(cast(outside))]))
+        message = str(info.value)
+        assert message.startswith(f"{flag} {cast(outside)}: must "), message
+        assert "Input should" not in message and "pydantic" not in message, message
+        assert cli.job_config(cli.parse_args(["--config", DEMO, flag, str(cast(edge))])).synthetic_config()
+
+
+def test_fields_5_is_refused_before_the_job_starts(monkeypatch, tmp_path):
+    from sparse_scale.rec import runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("the job started")
+
+    monkeypatch.setattr(runner, "job_context", never)
+    message = _main_error(["--config", DEMO, "--out", str(tmp_path / "out"), "--fields", "5"])
+    assert message == "--fields 5: must be >= 26 (the synthetic stream's 26 <= num_fields <= 1000)"
+
+
+def test_synthetic_bounds_do_not_apply_to_file_data(tmp_path):
+    job = RecJobConfig(config=DEMO, data="criteo", train_files=("a",), eval_files=("b",), seed=-1)
+    assert job.synthetic_config() is None

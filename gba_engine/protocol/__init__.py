@@ -37,6 +37,8 @@ key                         written by                read by             value:
 ``gather/<name>/<rank>``    each live worker          each live worker    ``encode_object``: a gather's part
 ``abort``                   compare_set: first rank   every rank's waits  ``AbortRecord``: a server is lost, stop
                             to find a server lost
+``stuck``                   compare_set: the first    every server's      ``StuckRecord``: a worker waits in a
+                            worker found stuck        waits               collective the servers never join
 ==========================  ========================  ==================  =====================================
 
 Every key starts with ``gba/`` (``keys._ROOT``).
@@ -60,21 +62,23 @@ from .keys import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTE
                    abort_key, ack_key, claims_base_key, claims_counter_key, closed_key, command_key, done_key,
                    end_key, exhausted_key, gather_key, heartbeat_key, inbox_key, incarnation_key, joinable_key,
                    layout_key, norm_key, out_key, pair_prefix, rate_key, samples_per_s_event, save_done_key,
-                   save_request_key, staleness_event, stats_key, step_time_key, store_address_key, version_key)
+                   save_request_key, staleness_event, stats_key, step_time_key, store_address_key, stuck_key,
+                   version_key)
 from .messages import (COMMANDS, FLAG, AbortRecord, Ack, Command, ControlMessageError, DoorbellMessage, Finished,
                        GetState, Kept, LayoutRecord, Leave, LoadShards, PhaseEnd, PutState, SaveRequest, SaveShards,
-                       Serve, StepTime, StoreAddress, decode_command, decode_float, decode_int, decode_object,
-                       decode_stats, encode_command, encode_float, encode_int, encode_object, encode_stats)
+                       Serve, StepTime, StoreAddress, StuckRecord, decode_command, decode_float, decode_int,
+                       decode_object, decode_stats, encode_command, encode_float, encode_int, encode_object,
+                       encode_stats)
 
 __all__ = [
     "AbortRecord", "Ack", "COMMANDS", "Command", "ControlMessageError", "DECAYED_EVENT", "DROPPED_EVENT",
     "DoorbellMessage", "FLAG", "Finished", "GetState", "Kept", "LayoutRecord", "Leave", "LoadShards",
     "MODE_IS_GBA_EVENT", "PhaseEnd", "PutState", "SWITCH_MBYTES_EVENT", "SWITCH_SECONDS_EVENT", "SaveRequest",
-    "SaveShards", "Serve", "StepTime", "StoreAddress", "abort_key", "ack_key", "claims_base_key",
+    "SaveShards", "Serve", "StepTime", "StoreAddress", "StuckRecord", "abort_key", "ack_key", "claims_base_key",
     "claims_counter_key", "closed_key", "command_key", "decode_command", "decode_float", "decode_int",
     "decode_object", "decode_stats", "done_key", "encode_command", "encode_float", "encode_int", "encode_object",
     "encode_stats", "end_key", "exhausted_key", "gather_key", "heartbeat_key", "inbox_key", "incarnation_key",
     "joinable_key", "layout_key", "norm_key", "out_key", "pair_prefix", "rate_key", "samples_per_s_event",
     "save_done_key", "save_request_key", "staleness_event", "stats_key", "step_time_key", "store_address_key",
-    "version_key",
+    "stuck_key", "version_key",
 ]

@@ -137,6 +137,12 @@ def abort_key() -> str:
     return _key("abort")
 
 
+def stuck_key() -> str:
+    """The job's :class:`StuckRecord`, set once (``compare_set``) by the first worker found stuck in a collective
+    that includes the server ranks (``gba_engine.collective_guard``)."""
+    return _key("stuck")
+
+
 def gather_key(name: str, rank: int) -> str:
     """Worker ``rank``'s part of the control-plane gather ``name``."""
     return _key("gather", name, rank)

@@ -170,6 +170,22 @@ class AbortRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class StuckRecord:
+    """Worker rank ``by`` waits in a collective the servers never join; ``reason``: which, where, since when."""
+
+    by: int
+    reason: str
+
+    def encode(self) -> str:
+        return f"{self.by}|{self.reason}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "StuckRecord":
+        by, reason = _fields("StuckRecord", raw, "|", 2)
+        return cls(*_ints("StuckRecord", raw, by), reason)
+
+
+@dataclasses.dataclass(frozen=True)
 class SaveRequest:
     """The first worker asks the servers to save their shards to ``path`` once at ``min_version``."""
 

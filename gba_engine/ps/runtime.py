@@ -543,6 +543,28 @@ def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLik
                      incarnation=incarnation, _heartbeat=heartbeat, _links=links, link_model=link)
 
 
+def _wait_address(default_store: dist.Store, key: str, rank: int, first_server: int, timeout_s: float) -> bytes:
+    """The control plane's address the first server publishes on the launch's store, within a deadline.
+
+    The first server may still be building its model, then starts the store process (at most
+    ``max(timeout_s, 30)`` s, ``store_host.start_store_host``): the wait ends after both, or at once
+    with the first server's error when it failed.
+    """
+    limit = max(timeout_s, 30.0) + timeout_s
+    deadline = time.monotonic() + limit
+    while not default_store.check([key]):
+        if default_store.check([f"{key}/error"]):
+            error = default_store.get(f"{key}/error").decode(errors="replace")
+            raise PSConnectionError(f"rank {rank}: the first parameter server (rank {first_server}) could not start "
+                                    f"the job's control plane: {error}")
+        if time.monotonic() > deadline:
+            raise PSConnectionError(f"rank {rank}: the first parameter server (rank {first_server}) did not publish "
+                                    f"the job's control plane within {limit:g}s (max(gba.timeout_s, 30) for its store "
+                                    "process + gba.timeout_s): is it alive, and did it reach gba_engine.initialize?")
+        time.sleep(0.02)
+    return default_store.get(key)
+
+
 def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkModel | None = None) -> PSRuntime:
     """Create the PS groups and control plane; every rank of the launch must call it, in the same order.
 
@@ -573,17 +595,21 @@ def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkM
     if rank == lay.servers[0]:
         from .store_host import StoreHostError, start_store_host  # imported here: the module is also a __main__
 
-        host = _reachable_host(control_host)
         try:
-            process = start_store_host(host, world, config.timeout_s, config.heartbeat_s)
-        except StoreHostError as exc:
-            raise PSConnectionError(f"rank {rank} (first server): {exc}") from exc
-        port = process.port
-        store = TCPStore(host, port, is_master=False, timeout=timeout)
-        _publish_control_plane(store, host, port, lay, config.control_file)
+            host = _reachable_host(control_host)
+            try:
+                process = start_store_host(host, world, config.timeout_s, config.heartbeat_s)
+            except StoreHostError as exc:
+                raise PSConnectionError(f"rank {rank} (first server): {exc}") from exc
+            port = process.port
+            store = TCPStore(host, port, is_master=False, timeout=timeout)
+            _publish_control_plane(store, host, port, lay, config.control_file)
+        except Exception as exc:  # the other ranks wait for the address: tell them why none comes
+            default_store.set(f"{addr_key}/error", f"{type(exc).__name__}: {exc}")
+            raise
         default_store.set(addr_key, StoreAddress(host, port).encode())
     else:
-        address = StoreAddress.decode(default_store.get(addr_key))
+        address = StoreAddress.decode(_wait_address(default_store, addr_key, rank, lay.servers[0], config.timeout_s))
         host, port = address.host, address.port
         store = TCPStore(host, port, is_master=False, timeout=timeout)
     heartbeat = _Heartbeat(host, port, rank, config.heartbeat_s, config.timeout_s)

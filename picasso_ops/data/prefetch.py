@@ -18,7 +18,11 @@ The consumer never blocks forever: each wait polls every ``poll_s`` whether the
 thread is still alive (and, with ``timeout_s``, a deadline). :meth:`close`
 (also on ``with`` exit, garbage collection or interpreter exit) stops the
 thread after the batch it is reading and closes a generator source on that
-thread, so its ``finally`` blocks (open files) run.
+thread, so its ``finally`` blocks (open files) run. At interpreter exit the
+thread is also joined (up to ``EXIT_JOIN_S``): a daemon thread still inside a
+torch op when the interpreter finalizes is killed by a forced unwind through
+C++ frames, which aborts the process ("terminate called without an active
+exception", rc -6) after training finished.
 
 Example::
 
@@ -30,6 +34,7 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import queue
@@ -45,6 +50,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ITEM, _END, _ERROR = "item", "end", "error"
+
+EXIT_JOIN_S = 30.0  # longest wait at interpreter exit for producers to finish the item they are reading
+
+# producer thread -> (stop, slots), for the exit hook; an entry goes with its thread
+_producers: "weakref.WeakKeyDictionary[threading.Thread, tuple[threading.Event, threading.Semaphore]]" = \
+    weakref.WeakKeyDictionary()
 
 
 class PrefetchTimeout(TimeoutError):
@@ -97,6 +108,26 @@ def _shutdown(stop: threading.Event, slots: threading.Semaphore) -> None:
     slots.release()  # wake a producer waiting for a slot at once
 
 
+@atexit.register
+def _join_producers_at_exit() -> None:
+    """Stop every producer still running and wait for it, while the interpreter can still run threads.
+
+    atexit hooks run before finalization; a daemon thread that returns from a torch op after that
+    is ended by ``pthread_exit``, whose unwind through torch's C++ frames calls ``std::terminate``.
+    """
+    running = [(t, *events) for t, events in list(_producers.items()) if t.is_alive()]
+    for _, stop, slots in running:
+        _shutdown(stop, slots)
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread, _, _ in running:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t, _, _ in running if t.is_alive()]
+    if stuck:
+        logger.warning("prefetch threads %s are still reading their source %.0f s into interpreter exit; the "
+                       "process may abort when they return (close() the Prefetcher before exiting)", stuck,
+                       EXIT_JOIN_S)
+
+
 class Prefetcher(Generic[T]):
     """An iterator over ``source`` whose next ``depth`` items are read ahead on a daemon thread.
 
@@ -134,6 +165,7 @@ class Prefetcher(Generic[T]):
         self._thread = threading.Thread(
             target=_produce, args=(iter(source), self._queue, self._slots, self._stop, state, poll_s),
             name=name, daemon=True)
+        _producers[self._thread] = (self._stop, self._slots)
         self._thread.start()
         # garbage collection or interpreter exit without close(): stop the thread all the same
         self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._slots)

@@ -8,10 +8,12 @@ Example::
     >>> rw = RowShardedEmbeddingCollection([TableSpec("item", 10**7, 16)])     # id % world_size on its owner
     >>> # loss.backward(); then on every rank, once per optimizer step:
     >>> dp.sparse_step(); rw.sparse_step()
+    >>> replica_problems(model, world_size=2)  # table modules whose ranks would drift apart: refuse them
 """
 
 from picasso_ops.distributed.comm import world_info
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
+from picasso_ops.distributed.replicas import replica_problems
 from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection, shard_rows
 from picasso_ops.distributed.step import (discard_sparse_gradients, engine_step, sparse_modules, sparse_step,
                                           wait_sparse_backward)
@@ -26,4 +28,5 @@ __all__ = [
     "wait_sparse_backward",
     "engine_step",
     "world_info",
+    "replica_problems",
 ]

@@ -166,7 +166,9 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
             dataclasses.replace(s, num_embeddings=max(1, shard_rows(s.num_embeddings, self.rank, W)))
             for s in self.specs
         ]
-        self.shard = PackedEmbeddingCollection(shard_specs, packing=packing, mode="fused", device=device)
+        # rank-local by design: each rank's shard holds other rows; sparse_step exchanges their gradients
+        self.shard = PackedEmbeddingCollection(shard_specs, packing=packing, mode="fused", device=device,
+                                               rank_local=True)
         self.pooled_features: tuple[str, ...] = self.shard.pooled_features
         self.column_offsets = self.shard.column_offsets
         global_rows = {s.name: s.num_embeddings for s in self.specs}

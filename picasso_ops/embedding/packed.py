@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Mapping, Optional, Sequence, Union
 
@@ -62,6 +63,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from picasso_ops import ops as custom_ops
+from picasso_ops.contracts import SparseStepModule
 from picasso_ops.embedding.bounds import BoundsCheck, check_finite_weights
 from picasso_ops.embedding.packing import PackGroup, TablePlacement, plan_packing
 from picasso_ops.embedding.sparse_optim import RowUpdate, SparseOptimizer, create_optimizer
@@ -75,6 +77,13 @@ logger = logging.getLogger(__name__)
 Mode = Literal["fused", "autograd"]
 _INT32_MAX = 2**31 - 1
 _HUGEPAGE_MIN_BYTES = 8 << 20  # smaller outputs are usually recycled by malloc, already faulted in
+# what to use instead of tables that update each rank's copy alone (the warning below and replica_problems)
+REPLICA_ADVICE = (
+    "use picasso_ops.distributed.DataParallelEmbeddingCollection (every rank holds every row) or "
+    "RowShardedEmbeddingCollection (rows spread over the ranks) and call "
+    "picasso_ops.distributed.engine_step(engine) in place of engine.step(), or build the tables with "
+    "sparse_scale.tables_from_block(...); for tables meant to differ per rank, pass rank_local=True"
+)
 
 
 class KeyedEmbeddings:
@@ -687,6 +696,16 @@ class PackedEmbeddingCollection(nn.Module):
             looks it up as row 0 (FBGEMM's WARNING), ``"clamp"`` as the nearest
             valid row; both count it (:meth:`bounds_check_counts`) and log once
             per table. Settable later through the ``bounds_check`` attribute.
+        rank_local: the tables are meant to differ per rank. In fused mode
+            each backward updates this process's copy only, so under
+            ``torch.distributed`` with more than one rank the replicas drift
+            apart: the first training forward there (training mode, grad
+            enabled) warns once (``RuntimeWarning`` and the log), and
+            ``picasso_ops.distributed.replica_problems`` lists the module.
+            ``True`` (or the ``rank_local`` attribute) silences both, e.g. for
+            a row shard (``RowShardedEmbeddingCollection.shard``) or tables
+            trained per rank on purpose. To keep replicas equal, use
+            ``DataParallelEmbeddingCollection`` with ``engine_step(engine)``.
 
     Attribute ``hugepage_output`` (default: ``custom_ops``): a ``[B, sum D]``
     CPU output of 8 MiB or more comes from ``ops.pooled_empty``: huge-page
@@ -719,9 +738,13 @@ class PackedEmbeddingCollection(nn.Module):
         device: Optional[Union[torch.device, str]] = None,
         custom_ops: bool = True,
         bounds_check: str = "fatal",
+        rank_local: bool = False,
     ) -> None:
         super().__init__()
         self._bounds = BoundsCheck(bounds_check)
+        self.rank_local = bool(rank_local)
+        # subclasses with a sparse step (DataParallelEmbeddingCollection) keep their ranks in sync themselves
+        self._replicas_unchecked = not isinstance(self, SparseStepModule)
         if mode not in ("fused", "autograd"):
             raise ValueError(f"mode must be 'fused' or 'autograd', got {mode!r}")
         self.specs: tuple[TableSpec, ...] = tuple(specs)
@@ -878,6 +901,8 @@ class PackedEmbeddingCollection(nn.Module):
         Ids outside their table raise ``IndexError`` naming the field (``bounds_check`` "fatal"), or are
         replaced and counted ("warn", "clamp"). A NaN/inf per-sample weight raises ``ValueError`` naming its field.
         """
+        if self._replicas_unchecked and self.training and torch.is_grad_enabled():
+            self._check_replicas()
         if not isinstance(batch, JaggedBatch):
             batch = JaggedBatch.from_kjt(batch)
         if batch.weights is not None:  # before any lookup: a NaN weight would reach the rows and optimizer state
@@ -905,6 +930,26 @@ class PackedEmbeddingCollection(nn.Module):
             for (name, p), chunk, n in zip(kernel.features, chunks, plan.seq_ids):
                 sequences[name] = chunk.view(n, p.spec.embedding_dim)
         return KeyedEmbeddings(self.pooled_features, values, self.column_offsets, sequences)
+
+    def _check_replicas(self) -> None:
+        """Warn once if this rank-local collection trains on more than one rank (see ``rank_local``)."""
+        if self.rank_local or self.mode != "fused":
+            self._replicas_unchecked = False  # autograd mode: .grad is all-reduced by DDP / DeepSpeed
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # checked again at the next training forward
+        self._replicas_unchecked = False
+        world = dist.get_world_size()
+        if world <= 1:
+            return
+        names = [s.name for s in self.specs]
+        tables = f"{names[:4]}{' and %d more' % (len(names) - 4) if len(names) > 4 else ''}"
+        message = (f"{type(self).__name__} (tables {tables}) is training on {world} ranks (torch.distributed world "
+                   f"size {world}), but its fused backward updates each rank's copy alone: its {world} replicas will "
+                   f"diverge. To keep them equal, {REPLICA_ADVICE}.")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        logger.warning("%s", message)
 
     def _batch_fields(self, batch: JaggedBatch) -> list[tuple[Tensor, Optional[int]]]:
         """Per pack, the batch field of each column, and the first one when they are consecutive; cached per keys."""

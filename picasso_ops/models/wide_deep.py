@@ -169,6 +169,22 @@ class SparseArgs:
     sharding: Sharding = "data_parallel"
     process_group: Optional[Any] = None
 
+    @classmethod
+    def from_block(cls, block: Any) -> "SparseArgs":
+        """The settings of a validated ``picasso`` block; only the hyperparameters its optimizer takes.
+
+        Example::
+
+            >>> from picasso_ops.config import PicassoConfig
+            >>> SparseArgs.from_block(PicassoConfig.model_validate({"optimizer": {"type": "sgd"}})).optimizer_params
+            {'lr': 0.05}
+        """
+        from picasso_ops.embedding.sparse_optim import OPTIMIZERS
+
+        opt = block.optimizer
+        params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
+        return cls(optimizer=opt.type, optimizer_params=params, packing=block.packing, sharding=block.sharding)
+
 
 class PackedFieldEmbeddings(nn.Module):
     """One table per field in a packed (data-parallel or row-sharded) collection; ``forward`` gives ``[B, F, dim]``.

@@ -40,7 +40,7 @@ class CheckpointError(RuntimeError):
 
 
 class NoSpaceError(CheckpointError):
-    """The checkpoint's filesystem is full; the previous checkpoint is left as it was."""
+    """The checkpoint's filesystem is full; the previous checkpoint, if any, is left as it was."""
 
 
 class NoIntactCheckpointError(CheckpointError):
@@ -205,6 +205,20 @@ def select(ckpt_dir: Path, repair: bool = True) -> Choice:
     raise NoIntactCheckpointError(f"no intact checkpoint in {ckpt_dir}: " + "; ".join(problems))
 
 
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The committed checkpoint a resume starts from, unverified: the folder ``latest`` names, else the newest
+    folder with a manifest; None when no checkpoint was committed (``latest_checkpoint(Path("ck"))`` -> ``ck/step40``).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    latest_file = ckpt_dir / "latest"
+    latest = latest_file.read_text().strip() if latest_file.is_file() else ""
+    if latest and (ckpt_dir / latest).is_dir():
+        return ckpt_dir / latest
+    folders = [p for p in ckpt_dir.iterdir() if p.is_dir() and not p.name.startswith(".")] if ckpt_dir.is_dir() else []
+    finished = [p for p in folders if (p / MANIFEST).is_file()]
+    return max(finished, key=lambda p: (_saved_at(p), p.name)) if finished else None
+
+
 def folder_bytes(folder: Path) -> int:
     """Bytes of the files under ``folder`` (0 when it does not exist)."""
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) if Path(folder).exists() else 0
@@ -219,11 +233,17 @@ def check_space(ckpt_dir: Path, need_bytes: int) -> None:
 
 
 def no_space_message(ckpt_dir: Path, need_bytes: int, free: int | None = None) -> str:
-    """``"no space left on <path>: need ~X MB ..."``, the words a full disk is reported in."""
+    """``"no space left on <path>: need ~X MB ..."``, the words a full disk is reported in.
+
+    Names the checkpoint left as it was (:func:`latest_checkpoint`), or says that none was written yet.
+    """
     if free is None:
         free = shutil.disk_usage(ckpt_dir).free if Path(ckpt_dir).exists() else 0
+    last = latest_checkpoint(ckpt_dir)
+    kept = (f"the previous checkpoint {last} is intact" if last is not None
+            else "no checkpoint was written yet, so there is nothing to resume from")
     return (f"no space left on {ckpt_dir}: need ~{need_bytes / 1e6:.1f} MB for the checkpoint, "
-            f"{free / 1e6:.1f} MB free; the previous checkpoint is intact (free space or pick another --out)")
+            f"{free / 1e6:.1f} MB free; {kept} (free space or pick another --out)")
 
 
 def is_no_space(exc: BaseException) -> bool:

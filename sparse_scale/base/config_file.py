@@ -15,6 +15,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -62,9 +63,17 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_NOT_READ = "DeepSpeed configs are JSON or hjson"
+_YAML_SUFFIXES = (".yaml", ".yml")
+# hjson reads a YAML block mapping ("optimizer:" then indented "type: AdamW") as the string "type: AdamW"
+_YAML_NESTING = re.compile(r"^[A-Za-z_][\w.-]*\s*:(\s|$)")
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a JSON or hjson file (as DeepSpeed does), rejecting duplicate keys."""
+    """Parse a JSON or hjson file (as DeepSpeed does), rejecting duplicate keys, YAML and non-object files."""
     p = Path(path)
+    if p.suffix.lower() in _YAML_SUFFIXES:  # hjson would read it into strings DeepSpeed trips over later
+        raise ConfigError(f"{p}: YAML is not read ({_NOT_READ}); convert the file to JSON with the same keys")
     try:
         text = p.read_text()
     except FileNotFoundError:
@@ -84,7 +93,13 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     except (json.JSONDecodeError, hjson.HjsonDecodeError) as e:
         raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.') or 'hjson'}: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be an object, got {type(data).__name__}")
+        raise ConfigError(f"{p}: top level must be an object, got {type(data).__name__}: not a config in a format "
+                          f"that is read ({_NOT_READ}, with {{...}} at the top)")
+    if p.suffix != ".json":
+        for key, value in data.items():
+            if isinstance(value, str) and _YAML_NESTING.match(value):
+                raise ConfigError(f"{p}: looks like YAML, which is not read ({_NOT_READ}): hjson reads the indented "
+                                  f"block under {key!r} as the string {value!r}; write it as {key}: {{...}}")
     return data
 
 

@@ -3,7 +3,8 @@
 DeepSpeed skips an optimizer step whose gradients overflow (ZeRO and fp16 check for inf/NaN)
 and goes on: a diverged run then trains nothing, ends with AUC 0.5, saves the garbage and exits 0.
 The guard turns that into a :class:`DivergenceError` naming the step, the value and what to try,
-raised before any save of the diverged state (the last good checkpoint stays ``latest``).
+raised before any save of the diverged state (the last good checkpoint stays ``latest``); the
+message names that checkpoint, which the job tells the guard, or says that none was written yet.
 
 The loss is checked on every micro-step (the loops read it anyway); NaN/inf entering the model
 (embeddings, the hidden states entering MoE layers) shows up there. Ranks agree through one
@@ -11,23 +12,32 @@ scalar all-reduce per optimizer step so that all of them stop together.
 
 Example::
 
-    guard = DivergenceGuard(max_skipped_steps=20, group=None)
+    guard = DivergenceGuard(max_skipped_steps=20, group=None, last_checkpoint=latest_checkpoint(ckpt_dir))
     guard.start_step(ds_engine)
     loss = model(batch); guard.loss(loss.item())     # every micro-step
     engine.backward(loss); engine.step()
     guard.end_step(step, ds_engine)                  # raises DivergenceError
+    guard.checkpoint_saved(save(...))                # after each committed save: the message names it
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_MAX_SKIPPED_STEPS = 20  # DeepSpeed's fp16 loss-scale warm-up skips a handful in a row; 20 is far past it
-HINT = ("try a lower learning rate (optimizer.params.lr), gradient_clipping in the DeepSpeed config, a longer "
-        "warmup, or bf16/fp32 instead of fp16; the last good checkpoint is kept (resume with --resume)")
+TRY = ("try a lower learning rate (optimizer.params.lr), gradient_clipping in the DeepSpeed config, a longer "
+       "warmup, or bf16/fp32 instead of fp16")
+
+
+def hint(last_checkpoint: str | os.PathLike | None) -> str:
+    """What to try, and the checkpoint to resume from (or that there is none yet)."""
+    if last_checkpoint is None:
+        return f"{TRY}; no checkpoint was written yet, so there is nothing to resume from"
+    return f"{TRY}; the last good checkpoint {last_checkpoint} is kept (resume from it with --resume)"
 
 
 class DivergenceError(RuntimeError):
@@ -42,11 +52,16 @@ class DivergenceGuard:
     """
 
     def __init__(self, max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS, group: Any = None,
-                 lockstep: bool = True, what: str = "loss") -> None:
+                 lockstep: bool = True, what: str = "loss", last_checkpoint: str | os.PathLike | None = None) -> None:
         if max_skipped_steps < 1:
             raise ValueError(f"--max-skipped-steps {max_skipped_steps}: must be >= 1")
         self.max_skipped_steps, self.group, self.lockstep, self.what = max_skipped_steps, group, lockstep, what
         self.skipped_in_a_row, self._skipped_before, self._bad_loss = 0, 0, None
+        self.last_checkpoint = last_checkpoint  # named in the error as the one to resume from; None: none yet
+
+    def checkpoint_saved(self, folder: str | os.PathLike) -> None:
+        """Call after each committed save: the error names ``folder`` as the last good checkpoint."""
+        self.last_checkpoint = folder
 
     def start_step(self, ds_engine: Any) -> None:
         """Call before the optimizer step's first micro-step."""
@@ -65,7 +80,7 @@ class DivergenceGuard:
             raise DivergenceError(
                 f"training diverged at step {step}: {self.what} is {bad[1]} on {bad[0]} (non-finite; checked on "
                 f"the loss, so NaN/inf in the inputs, the embeddings or the hidden states entering the MoE layers "
-                f"show up here too); {HINT}")
+                f"show up here too); {hint(self.last_checkpoint)}")
         if ds_engine is None:
             return
         skipped = int(getattr(ds_engine, "skipped_steps", 0)) > self._skipped_before
@@ -74,11 +89,11 @@ class DivergenceGuard:
             raise DivergenceError(
                 f"training diverged at step {step}: {self.skipped_in_a_row} optimizer steps in a row were skipped "
                 f"by DeepSpeed's overflow check (inf/NaN gradients; steps {step - self.skipped_in_a_row + 1}-{step},"
-                f" more than --max-skipped-steps {self.max_skipped_steps}); {HINT}")
+                f" more than --max-skipped-steps {self.max_skipped_steps}); {hint(self.last_checkpoint)}")
         norm = ds_engine.get_global_grad_norm() if not skipped else None
         if norm is not None and not math.isfinite(float(norm)):
             raise DivergenceError(f"training diverged at step {step}: the gradient norm is {float(norm)} "
-                                  f"(non-finite); {HINT}")
+                                  f"(non-finite); {hint(self.last_checkpoint)}")
 
     def check_params(self, module: torch.nn.Module, step: int) -> None:
         """Refuse to checkpoint non-finite parameters (a diverged state must not replace the last good one)."""
@@ -88,7 +103,8 @@ class DivergenceGuard:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # expert shards differ between ranks
         if flag.item() != 0.0:
             where = f"parameter {bad}" if bad is not None else "a parameter on another rank"
-            raise DivergenceError(f"training diverged by step {step}: {where} holds NaN/inf; not saving it; {HINT}")
+            raise DivergenceError(f"training diverged by step {step}: {where} holds NaN/inf; not saving it; "
+                                  f"{hint(self.last_checkpoint)}")
 
     def _in_lockstep(self) -> bool:
         return bool(self.lockstep and dist.is_available() and dist.is_initialized()

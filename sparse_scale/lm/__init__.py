@@ -10,8 +10,8 @@ srun, one plain process); the command line around it is :mod:`sparse_scale.lm.cl
 """
 from .checkpoints import NoCheckpointError, Progress
 from .job import LMJobConfig, run
-from .model import model_args_from_config, optimizer_param_groups
+from .model import model_args_from_config
 from .summary import LMSummary, summary_rows
 
 __all__ = ["LMJobConfig", "LMSummary", "NoCheckpointError", "Progress", "model_args_from_config",
-           "optimizer_param_groups", "run", "summary_rows"]
+           "run", "summary_rows"]

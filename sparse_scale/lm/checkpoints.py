@@ -19,7 +19,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moe_proto.checkpoint import load_checkpoint, save_checkpoint
 from sparse_scale.base import atomic_checkpoint as atomic
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ def save_job_checkpoint(engine: Any, ckpt_dir: Path, progress: Progress, rank: i
         (folder / "progress.json").write_text(json.dumps(dataclasses.asdict(progress)))
 
     # staged, then a manifest, fsync and rename; ``latest`` moves last
-    final = atomic.staged_save(ckpt_dir, tag, lambda save_dir: save_checkpoint(engine, str(save_dir), tag), need,
+    final = atomic.staged_save(ckpt_dir, tag, lambda save_dir: engine.save_checkpoint(str(save_dir), tag=tag), need,
                                rank=rank, before_commit=progress_file)
     return str(final)
 
@@ -75,5 +74,5 @@ def load_job_checkpoint(engine: Any, ckpt_dir: Path) -> tuple[str, Progress]:
         for line in choice.warnings:
             logger.warning("--resume: %s", line)
     tag = choice.tag
-    load_checkpoint(engine, str(ckpt_dir), tag)
+    engine.load_checkpoint(str(ckpt_dir), tag=tag)
     return str(ckpt_dir / tag), Progress(**json.loads((ckpt_dir / tag / "progress.json").read_text()))

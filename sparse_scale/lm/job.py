@@ -13,22 +13,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from moe_proto.balance import reset_expert_loads, update_expert_biases
 from moe_proto.data import ByteCorpus
 from moe_proto.models import MoETransformerLM
+from sparse_scale.base.atomic_checkpoint import latest_checkpoint
 from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError, DivergenceGuard
+from sparse_scale.base.divergence import hint as divergence_hint
 from sparse_scale.distenv import init_distributed
+import sparse_scale
 from sparse_scale.reporting import finish_wandb, setup_wandb_env, wandb_dir
+from sparse_scale.threads import set_default_threads
 
 from .checkpoints import Progress, load_job_checkpoint, save_job_checkpoint
 from .metrics import evaluate, routing_events
-from .model import model_args_from_config, optimizer_param_groups
+from .model import model_args_from_config
 from .summary import LMSummary
 
 logger = logging.getLogger(__name__)
@@ -78,10 +80,8 @@ def run(job: LMJobConfig) -> LMSummary:
     model_args, ds = model_args_from_config(job.config)
     ctx = init_distributed()
     rank, world = ctx.rank, ctx.world_size
-    threads = job.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size or ctx.world_size))
-    torch.set_num_threads(threads)
+    set_default_threads(ctx.local_world_size or ctx.world_size, requested=job.threads)
     torch.manual_seed(job.seed)  # same initial weights on every rank (DeepSpeed broadcasts them anyway)
-    import deepspeed
     from tqdm import tqdm
 
     corpus = ByteCorpus.from_folder(job.data, job.glob, job.heldout_fraction)
@@ -89,7 +89,9 @@ def run(job: LMJobConfig) -> LMSummary:
     micro_batch = int(ds.get("train_micro_batch_size_per_gpu", 8))
     grad_accum = int(ds.get("gradient_accumulation_steps", 1))
     model = MoETransformerLM(model_args)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=optimizer_param_groups(model), config=ds)
+    # the experts' param groups and clip, the expert biases at each applied step, the MoE checkpoints
+    engine, _, _, _ = sparse_scale.initialize(model=model, config=job.config,
+                                              threads=job.threads)
 
     ckpt_dir = out / "checkpoints"
     progress = Progress()
@@ -105,7 +107,8 @@ def run(job: LMJobConfig) -> LMSummary:
     running = torch.zeros(3)  # ce loss sum, aux loss sum, count
     step_tokens = micro_batch * seq_len * world * grad_accum
     # checked on the loss: NaN/inf in the token embeddings or the hidden states entering the MoE layers reach it
-    guard = DivergenceGuard(job.max_skipped_steps, what="the LM loss")
+    # its error names the checkpoint to resume from: the one on disk now, then each one this run saves
+    guard = DivergenceGuard(job.max_skipped_steps, what="the LM loss", last_checkpoint=latest_checkpoint(ckpt_dir))
     while step < job.steps:
         t0 = time.perf_counter()
         guard.start_step(engine)
@@ -114,18 +117,14 @@ def run(job: LMJobConfig) -> LMSummary:
             try:
                 result = engine(inputs, targets)
             except FloatingPointError as exc:  # an MoE layer refused NaN/inf hidden states: the run diverged
-                raise DivergenceError(f"training diverged at step {step + 1}: {exc}") from exc
+                raise DivergenceError(f"training diverged at step {step + 1}: {exc}; "
+                                      f"{divergence_hint(guard.last_checkpoint)}") from exc
             engine.backward(result.loss)
             engine.step()
             micro_batches += 1
             ce_aux = [result.ce_loss.item(), result.aux_loss.item()]
             guard.loss(ce_aux[0] + ce_aux[1])
             running += torch.tensor([*ce_aux, 1.0])
-        # Once per optimizer step, from the loads of all its micro-batches summed over the ranks.
-        if engine.was_step_applied():
-            update_expert_biases(model)
-        else:
-            reset_expert_loads(model)
         step += 1
         guard.end_step(step, engine)  # DivergenceError: stops before any save of the diverged state
         tokens += step_tokens
@@ -143,6 +142,7 @@ def run(job: LMJobConfig) -> LMSummary:
         if job.save_every and step % job.save_every == 0:
             guard.check_params(model, step)
             last_ckpt = save_job_checkpoint(engine, ckpt_dir, Progress(step, micro_batches, tokens), rank)
+            guard.checkpoint_saved(last_ckpt)
     bar.close()
     guard.check_params(model, step)  # the final save follows: never of a diverged state
 

@@ -57,14 +57,16 @@ def _need_bytes(engine: "RecEngine", ckpt_dir: Path) -> int:
 
 
 class CheckpointSaveError(RecJobError):
-    """A checkpoint could not be written (a full disk: "no space left on <path>: need ~X MB"); the previous one is intact."""
+    """A checkpoint could not be written (a full disk: "no space left on <path>: need ~X MB"); the message names
+    the previous checkpoint, left intact, or says that none was written yet."""
 
 
 def save(engine: "RecEngine", ckpt_dir: Path, progress: Progress, stream: "TrainStream", rank: int) -> str:
     """Write a checkpoint tagged by the stream's position (staged, then committed); returns its folder.
 
-    A full disk raises :class:`CheckpointSaveError` ("no space left on <path>: need ~X MB") and
-    leaves the previous checkpoint and ``latest`` as they were. ``rank``: the job's rank (rank 0 commits).
+    A full disk raises :class:`CheckpointSaveError` ("no space left on <path>: need ~X MB", naming the
+    previous checkpoint or saying there is none) and leaves the previous checkpoint and ``latest`` as they
+    were. ``rank``: the job's rank (rank 0 commits).
     """
     try:
         return _save(engine, ckpt_dir, progress, stream, rank)

@@ -120,7 +120,7 @@ def job_config(args: argparse.Namespace) -> RecJobConfig:
     """The :class:`RecJobConfig` the parsed flags describe (reads and validates ``--config``)."""
     stragglers: list[Straggler] = list(args.straggler)
     crash: Crash | None = args.crash
-    return RecJobConfig(
+    config = RecJobConfig(
         config=args.config, steps=args.steps, out=args.out, data=args.data, train_files=tuple(args.train_files),
         eval_files=tuple(args.eval_files), max_bad_fraction=args.max_bad_fraction, **_synthetic_flags(args),
         vocab=args.vocab, embedding_dim=args.embedding_dim, model=args.model,
@@ -129,6 +129,8 @@ def job_config(args: argparse.Namespace) -> RecJobConfig:
         threads=args.threads, stragglers=tuple(stragglers), server_tables=args.server_tables,
         rejoin_as=args.rejoin_as, crash=crash, ps_link_latency_ms=args.ps_link_latency_ms,
         ps_link_mbit=args.ps_link_mbit, epochs=args.epochs)
+    config.synthetic_config()  # a value the synthetic stream refuses names its flag here, not in pydantic's words
+    return config
 
 
 def check_out_folder(out: str | os.PathLike, resume: bool, overwrite: bool) -> None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+import re
+from typing import TYPE_CHECKING, Any, Literal
 
 from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS
 from sparse_scale.config import JobConfig, load_config
 from sparse_scale.rec.faults import Crash, Straggler
+
+if TYPE_CHECKING:
+    from picasso_ops.data.synthetic import SyntheticConfig
 
 DataKind = Literal["synthetic", "criteo", "parquet"]
 ModelKind = Literal["wide_deep", "dlrm"]
@@ -24,6 +28,48 @@ MODEL_KINDS: tuple[str, ...] = ("wide_deep", "dlrm")
 
 class RecJobError(ValueError):
     """A job that cannot run as asked; the message says why (the CLI prints it and exits)."""
+
+
+# The flags that set the synthetic stream: RecJobConfig field -> (flag, picasso_ops SyntheticConfig field).
+SYNTHETIC_FLAGS: dict[str, tuple[str, str]] = {
+    "fields": ("--fields", "num_fields"), "vocab": ("--vocab", "vocab_sizes"), "zipf": ("--zipf", "zipf_exponent"),
+    "max_hot": ("--max-hot", "max_ids_per_field"), "num_dense": ("--num-dense", "num_dense"),
+    "seed": ("--seed", "seed")}
+_BOUND_WORDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def _allowed_range(model: Any, field: str) -> str:
+    """``"26 <= num_fields <= 1000"`` / ``"seed >= 0"``: the Field bounds of ``model.field`` ("" when none)."""
+    info = model.model_fields.get(field)
+    bounds = {key: getattr(item, key) for item in (info.metadata if info is not None else ())
+              for key, _ in _BOUND_WORDS if getattr(item, key, None) is not None}
+    words = dict(_BOUND_WORDS)
+    low = next((k for k in ("ge", "gt") if k in bounds), None)
+    high = next((k for k in ("le", "lt") if k in bounds), None)
+    if low and high:
+        return f"{bounds[low]} {words[low].replace('>', '<')} {field} {words[high]} {bounds[high]}"
+    if low or high:
+        key = low or high
+        return f"{field} {words[key]} {bounds[key]}"
+    return ""
+
+
+def _synthetic_error(config: "RecJobConfig", err: Any, model: Any) -> str:
+    """One pydantic error of the synthetic stream's settings, said in terms of the flag that set the value."""
+    by_field = {name: (flag, attr) for attr, (flag, name) in SYNTHETIC_FLAGS.items()}
+    loc = [x for x in err["loc"] if isinstance(x, str)]
+    if loc:  # a Field bound: "Input should be greater than or equal to 26"
+        field, ctx = loc[0], err.get("ctx") or {}
+        text = next((f"must be {word} {ctx[key]}" for key, word in _BOUND_WORDS if key in ctx), err["msg"])
+    else:  # a model validator: "Value error, vocab_sizes must lie in [1, 2147483648], got [0, ...]"
+        match = re.match(r"(?:Value error, )?(\w+) (.*?)(?:, got .*)?$", err["msg"], re.S)
+        field, text = (match.group(1), match.group(2)) if match else ("", err["msg"])
+    if field not in by_field:
+        flags = ", ".join(f"{flag} {getattr(config, attr)}" for attr, (flag, _) in SYNTHETIC_FLAGS.items())
+        return f"the synthetic stream refuses {flags}: {err['msg']}"
+    flag, attr = by_field[field]
+    where = _allowed_range(model, field) or field
+    return f"{flag} {getattr(config, attr)}: {text} (the synthetic stream's {where})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,3 +149,21 @@ class RecJobConfig:
         object.__setattr__(self, "stragglers", tuple(self.stragglers))
         if self.loaded is None:
             object.__setattr__(self, "loaded", load_config(self.config))
+
+    def synthetic_config(self) -> "SyntheticConfig | None":
+        """The synthetic stream's settings from the flags (None with file data).
+
+        A value the stream refuses is a :class:`RecJobError` naming the flag and the bound, e.g.
+        ``--fields 5: must be >= 26 (the synthetic stream's 26 <= num_fields <= 1000)``.
+        """
+        if self.data != "synthetic":
+            return None
+        import pydantic
+
+        from picasso_ops.data.synthetic import SyntheticConfig
+
+        values = {name: getattr(self, attr) for attr, (_, name) in SYNTHETIC_FLAGS.items()}
+        try:
+            return SyntheticConfig(**values)
+        except pydantic.ValidationError as exc:
+            raise RecJobError("; ".join(_synthetic_error(self, e, SyntheticConfig) for e in exc.errors())) from None

@@ -22,7 +22,6 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from picasso_ops.distributed import engine_step
 from sparse_scale.distenv import DistContext
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.job import RecJob
@@ -107,12 +106,16 @@ def _all_reduce_totals(samples: int, seconds: float, group: Any) -> tuple[int, f
 
 
 class DeepSpeedRecEngine:
-    """DeepSpeed's engine, data parallel over all ranks; ``step`` also steps packed tables (``engine_step``)."""
+    """The engine of ``sparse_scale.initialize`` without a gba block: data parallel over all ranks.
+
+    Its ``step``, ``save_checkpoint`` and ``load_checkpoint`` serve packed tables and MoE towers
+    (``sparse_scale.engine.SparseEngine``); this class only adds the job's interface.
+    """
 
     worker_group = None
 
-    def __init__(self, engine: Any, sparse_lr: float | None) -> None:
-        self.engine, self.sparse_lr = engine, sparse_lr
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
         self.module = engine.module
 
     def __call__(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -122,7 +125,7 @@ class DeepSpeedRecEngine:
         self.engine.backward(loss)
 
     def step(self) -> None:
-        engine_step(self.engine, sparse_lr=self.sparse_lr)  # engine.step() + the packed tables' step at the boundary
+        self.engine.step()  # DeepSpeed's step, the tables' step and the expert biases at the boundary
 
     def train(self) -> None:
         self.engine.train()
@@ -300,35 +303,30 @@ def row_cache_config(job: RecJob) -> Any:
     return cache if cache is not None and cache.store == "ps" else None
 
 
-def build_engine(job: RecJob, model: torch.nn.Module, ctx: DistContext,
-                 sparse_lr: float | None) -> RecEngine | ServedJob:
-    """The engine for the job's mode: DeepSpeed's without a gba block, else a GBA worker's (or a served job).
+def build_engine(job: RecJob, model: torch.nn.Module, ctx: DistContext) -> RecEngine | ServedJob:
+    """The engine for the job's mode from ``sparse_scale.initialize`` (a gba block: a worker's, or a served job).
 
     ``ctx.master_addr`` is where the launcher put the rendezvous: the GBA control plane is reached there.
-    ``sparse_lr``: the packed tables' scheduled peak lr (see :func:`sparse_scale.rec.model.scheduled_sparse_lr`).
     """
-    if job.gba is not None:
-        import gba_engine
+    import sparse_scale
+    from sparse_scale.entry import with_block
 
-        from gba_engine.ps.link import LinkModel
+    loaded = dataclasses.replace(job.config.loaded, ds=job.ds)  # the scheduler's length follows --steps
+    if job.gba is None:
+        engine, *_ = sparse_scale.initialize(model=model, config=loaded, threads=job.config.threads)
+        return DeepSpeedRecEngine(engine)
+    import gba_engine
 
+    from gba_engine.ps.link import LinkModel
+
+    link = LinkModel(latency_ms=job.config.ps_link_latency_ms, mbit=job.config.ps_link_mbit)
+    if job.config.rejoin_as is not None:
         block = {**job.gba.model_dump(), "control_file": control_file(job.gba, job.config.out)}
-        config = {**job.ds, "gba": block}
-        link = LinkModel(latency_ms=job.config.ps_link_latency_ms, mbit=job.config.ps_link_mbit)
-        cache = row_cache_config(job)
-        if job.config.rejoin_as is not None:
-            return GBARecEngine(gba_engine.rejoin(model=model, config=config, worker=job.config.rejoin_as,
-                                                  row_cache=cache, link=link))
-        engine = gba_engine.initialize(model=model, config=config, control_host=ctx.master_addr, row_cache=cache,
-                                       link=link)
-        if engine.is_server:
-            return ServedJob(engine.server_stats)
-        return GBARecEngine(engine)
-    import deepspeed
-
-    from sparse_scale.rec import moe_tower  # it builds on this module's DeepSpeedRecEngine
-
-    # an MoE tower: the experts in their own param groups, expert-aware clipping and MoE checkpoints
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=moe_tower.optimizer_param_groups(model),
-                                           config=job.ds)
-    return moe_tower.deepspeed_rec_engine(engine, sparse_lr)
+        return GBARecEngine(gba_engine.rejoin(model=model, config={**job.ds, "gba": block}, worker=job.config.rejoin_as,
+                                              row_cache=row_cache_config(job), link=link))
+    gba = job.gba.model_copy(update={"control_file": control_file(job.gba, job.config.out)})
+    engine, *_ = sparse_scale.initialize(model=model, config=with_block(loaded, "gba", gba), threads=job.config.threads,
+                                         gba_link=link)
+    if engine.is_server:
+        return ServedJob(engine.server_stats)
+    return GBARecEngine(engine)

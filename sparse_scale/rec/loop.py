@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_scale.base.atomic_checkpoint import latest_checkpoint
 from sparse_scale.base.divergence import DivergenceError, DivergenceGuard, deepspeed_engine_of
 from sparse_scale.rec import checkpoint
 from sparse_scale.rec import evaluate as evaluation
@@ -28,7 +29,7 @@ from sparse_scale.rec.data import TrainStream
 from sparse_scale.rec.engines import RecEngine
 from sparse_scale.rec.faults import FaultInjector
 from sparse_scale.rec.job import RecJob
-from sparse_scale.rec.moe_tower import finish_moe_step, load_events, plus_aux_loss, towers_of
+from sparse_scale.rec.moe_tower import load_events, plus_aux_loss, towers_of
 
 logger = logging.getLogger(__name__)
 notice = logging.getLogger("sparse_scale.rec.notice")
@@ -81,7 +82,9 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
     loss_sum, loss_count = 0.0, 0  # since the last LOG_EVERY point (plain floats: no tensor per micro-step)
     exhausted = False
     ds_engine = deepspeed_engine_of(engine)  # its skipped steps and gradient norm feed the divergence guard
-    guard = DivergenceGuard(cfg.max_skipped_steps, engine.worker_group, lockstep=not stream.is_claimed)
+    # its error names the checkpoint to resume from: the one on disk now, then each one this loop saves
+    guard = DivergenceGuard(cfg.max_skipped_steps, engine.worker_group, lockstep=not stream.is_claimed,
+                            last_checkpoint=latest_checkpoint(ckpt_dir))
     while (stream.is_claimed or progress.step < cfg.steps) and not exhausted:
         t0, step_samples, micro_done = time.perf_counter(), 0, 0
         # only periodic saves and epoch ends need where the step started
@@ -116,8 +119,6 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
         if exhausted:
             progress = dataclasses.replace(progress, micro_batches=progress.micro_batches + micro_done)
             break
-        if towers:
-            finish_moe_step(engine)  # expert biases move once per optimizer step, from all its micro-batches
         progress = progress.after_step(micro_done, step_samples)
         guard.end_step(progress.step, ds_engine)
         faults.after_step(progress.step)
@@ -137,6 +138,7 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
         if cfg.save_every and stream.save_due(cfg.save_every, progress, mark):
             guard.check_params(engine.module, progress.step)
             last_ckpt = checkpoint.save(engine, ckpt_dir, progress, stream, job.rank)
+            guard.checkpoint_saved(last_ckpt)
     guard.check_params(engine.module, progress.step)  # the runner's final save follows: never of a diverged state
     bar.close()
     stream.close()  # stop reading ahead before evaluating

@@ -13,49 +13,21 @@ from typing import Any
 
 import torch
 
-from picasso_ops.block import PicassoBlockError, apply_picasso_block, cached_field_embeddings
-from picasso_ops.embedding.sparse_optim import OPTIMIZERS
+from picasso_ops.block import (PicassoBlockError, apply_picasso_block, cached_field_embeddings,
+                               scheduled_sparse_lr)
 from picasso_ops.models import DLRM, SparseArgs, WideAndDeep, packed_dlrm, packed_wide_and_deep
 from sparse_scale.rec.config import RecJobError
 from sparse_scale.rec.job import RecJob
 from sparse_scale.rec.moe_tower import tower_factory
 
+__all__ = ["build_model", "scheduled_sparse_lr", "sparse_args", "tower_kwargs"]
+
 logger = logging.getLogger(__name__)
 
 
 def sparse_args(block: Any) -> SparseArgs:
-    """The packed tables' settings from a validated ``picasso`` block.
-
-    Only the hyperparameters the chosen optimizer takes are passed (``eps``
-    means nothing to sgd). Tables are data-parallel unless the block carries
-    ``sharding: "row_wise"``.
-
-    Example::
-
-        sparse_args(PicassoConfig.model_validate({"optimizer": {"type": "sgd", "lr": 0.1}})).optimizer   # "sgd"
-    """
-    opt = block.optimizer
-    params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
-    return SparseArgs(optimizer=opt.type, optimizer_params=params, packing=block.packing,
-                      sharding=getattr(block, "sharding", "data_parallel"))
-
-
-def scheduled_sparse_lr(block: Any) -> float | None:
-    """The packed tables' peak lr for ``engine_step`` when they follow DeepSpeed's schedule, else ``None``.
-
-    ``picasso.optimizer.lr_schedule`` ``"deepspeed"``: the tables' lr at each step
-    is ``picasso.optimizer.lr`` x DeepSpeed's lr of that step / its schedule's
-    peak; ``"constant"`` (or no picasso block): ``None``, the block's lr throughout.
-
-    Example::
-
-        >>> from picasso_ops.config import PicassoConfig
-        >>> scheduled_sparse_lr(PicassoConfig.model_validate({"optimizer": {"type": "adam", "lr": 0.001}}))
-        0.001
-    """
-    if block is None or block.optimizer.lr_schedule != "deepspeed":
-        return None
-    return float(block.optimizer.lr)
+    """The packed tables' settings from a validated ``picasso`` block (``SparseArgs.from_block``)."""
+    return SparseArgs.from_block(block)
 
 
 def tower_kwargs(job: RecJob) -> dict[str, Any]:

@@ -18,9 +18,10 @@ Two ways to hold the experts:
 
 * expert-parallel (no gba block): the MoE layers are DeepSpeed MoE layers, so
   ``deepspeed.initialize`` creates the ``ep_size`` expert groups, reduces expert gradients over
-  the expert-data-parallel group only, and ZeRO gets the experts as their own param groups
-  (:func:`optimizer_param_groups`); the clip counts every expert once (:func:`deepspeed_rec_engine`).
-* replicated (gba block, ``ep_size`` 1): every worker holds every expert and the experts are
+  the expert-data-parallel group only; ``sparse_scale.initialize`` gives ZeRO the experts as their own
+  param groups, counts every expert once in the clip and saves them with ``moe_proto.checkpoint``.
+* replicated (gba block, ``ep_size`` 1, ``moe_proto.replicated.ReplicatedMoE``): every worker holds
+  every expert and the experts are
   ordinary dense parameters, pushed to and pulled from the parameter servers like the rest of the
   MLP. DeepSpeed must not see MoE layers there: its expert groups span every rank of the launch,
   the servers included, which never join the workers' collectives.
@@ -37,7 +38,6 @@ import dataclasses
 import functools
 import logging
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -45,18 +45,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_proto.args import routing_options_of
-from moe_proto.balance import reset_expert_loads, update_expert_biases
 from moe_proto.buffer_pool import HostBufferPool, use_buffer_pool
-from moe_proto.checkpoint import load_checkpoint as load_moe_checkpoint
 from moe_proto.checkpoint import load_full_state_dict
-from moe_proto.checkpoint import save_checkpoint as save_moe_checkpoint
-from moe_proto.clipping import bind_expert_aware_clipping
 from moe_proto.config import MoEProtoConfig
-from moe_proto.layer import MoE
+from moe_proto.from_block import moe_layer
+from moe_proto.param_groups import has_moe_layers
 from picasso_ops.models.wide_deep import TowerFactory
 from sparse_scale.rec.config import RecJobError
-from sparse_scale.rec.engines import DeepSpeedRecEngine, MonitorEvent
+from sparse_scale.rec.engines import MonitorEvent
 
 if TYPE_CHECKING:
     from sparse_scale.rec.engines import RecEngine
@@ -76,44 +72,6 @@ def moe_layer_indices(num_hidden: int, moe_every: int) -> list[int]:
         ([1], [0, 1, 2])
     """
     return [i for i in range(num_hidden) if (i + 1) % moe_every == 0]
-
-
-class ReplicatedMoE(nn.Module):
-    """An MoE layer whose experts are plain dense parameters: DeepSpeed sees no MoE layer in it.
-
-    It holds the layer outside its children (its gate and experts become this module's
-    children, so the state_dict keys are the layer's own) and marks the expert weights as
-    all-reduced like any dense weight. For ``ep_size`` 1 only: every rank holds every expert.
-
-    Example::
-
-        >>> m = ReplicatedMoE(MoE(8, None, num_experts=4, ffn_hidden_size=8, use_rts=False))
-        >>> sorted(k for k, _ in m.named_parameters())
-        ['experts.w1', 'experts.w2', 'gate.weight']
-    """
-
-    def __init__(self, layer: MoE) -> None:
-        super().__init__()
-        if layer.ep_size != 1:
-            raise ValueError(f"a replicated MoE layer holds every expert: ep_size must be 1, got {layer.ep_size}")
-        object.__setattr__(self, "layer", layer)  # not a child: DeepSpeed's isinstance(module, MoE) scan misses it
-        for name, child in layer.named_children():
-            self.add_module(name, child)
-        for param in layer.experts.parameters():
-            param.allreduce = True  # DeepSpeed's marker: reduced over the data-parallel group with the dense ones
-
-    @property
-    def last_stats(self) -> Any:
-        """The layer's routing stats of its last forward (``moe_proto.routing.RoutingStats``)."""
-        return self.layer.last_stats
-
-    def train(self, mode: bool = True) -> "ReplicatedMoE":
-        super().train(mode)
-        self.layer.training = mode  # the layer's own flag picks the capacity factor (its children are ours)
-        return self
-
-    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.layer(hidden_states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +106,7 @@ class MoETower(nn.Module):
         width: input width (the model's concatenated embeddings and dense features).
         hidden: hidden widths (wide-and-deep's ``hidden``, DLRM's ``top``).
         block: the validated ``moe_proto`` block.
-        replicated: hold every expert as a dense parameter (:class:`ReplicatedMoE`; gba jobs).
+        replicated: hold every expert as a dense parameter (``moe_proto.replicated.ReplicatedMoE``; gba jobs).
 
     State names: ``hidden.{i}`` (Linear), ``moe.{i}`` (the MoE layer after hidden layer ``i``),
     ``head`` (the last Linear). With ``ep_size > 1`` the expert groups are created here
@@ -190,22 +148,12 @@ class MoETower(nn.Module):
 
     @staticmethod
     def _moe_layer(width: int, block: MoEProtoConfig, replicated: bool) -> nn.Module:
-        def build(ep_size: int) -> MoE:
-            # routing noise (RTS, second-expert sampling) off, as in the LM: routing follows the block alone
-            return MoE(width, None, num_experts=block.num_experts, ep_size=ep_size, k=block.top_k,
-                       capacity_factor=block.capacity_factor, eval_capacity_factor=block.eval_capacity_factor,
-                       min_capacity=block.min_capacity, use_rts=False, top2_2nd_expert_sampling=False,
-                       num_prototypes=block.num_prototypes, dropless=block.dropless,
-                       drop_policy=None if block.dropless else block.drop_policy, z_loss_coef=block.z_loss_coef,
-                       activation=EXPERT_ACTIVATION, ffn_hidden_size=width, **routing_options_of(block))
-
-        full = build(1)
-        if replicated:
-            return ReplicatedMoE(full)
-        if block.ep_size == 1:
+        full = moe_layer(block, width, ffn_hidden_size=width, activation=EXPERT_ACTIVATION, replicated=replicated,
+                         ep_size=1)
+        if replicated or block.ep_size == 1:
             return full
         with torch.random.fork_rng():  # the full layer drew the init; the sharded one must not move the RNG
-            sharded = build(block.ep_size)
+            sharded = moe_layer(block, width, ffn_hidden_size=width, activation=EXPERT_ACTIVATION)
         sharded.set_deepspeed_parallelism()  # the groups give this rank's expert range
         load_full_state_dict(sharded, full.state_dict())
         return sharded
@@ -295,10 +243,6 @@ def tower_factory(job: "RecJob") -> TowerFactory | None:
         raise RecJobError(f"{where}.moe_every={block.moe_every}: --model {job.config.model}'s tower has "
                           f"{len(hidden)} hidden layers {hidden}; hidden layer i gets an MoE FFN when "
                           f"(i + 1) % moe_every == 0, so none would: use moe_every <= {len(hidden)}")
-    if job.gba is not None and (block.expert_bias_update_rate > 0 or block.aux_loss_scope == "global_batch"):
-        raise RecJobError(f"{where}: expert_bias_update_rate > 0 and aux_loss_scope 'global_batch' sum expert loads "
-                          "over the workers every step, and gba workers run asynchronously; with a gba block use "
-                          "expert_bias_update_rate 0 and aux_loss_scope 'micro_batch'")
     if block.ep_size > 1:
         if job.synthetic is None:
             raise RecJobError(f"{where}.ep_size={block.ep_size} with --data {job.config.data}: every worker must "
@@ -320,97 +264,6 @@ def tower_factory(job: "RecJob") -> TowerFactory | None:
                     moe_layer_indices(len(hidden), block.moe_every), hidden,
                     "replicated" if job.gba is not None else f"ep_size {block.ep_size}")
     return functools.partial(MoETower, hidden=hidden, block=block, replicated=job.gba is not None)
-
-
-def finish_moe_step(engine: "RecEngine") -> None:
-    """After a step's last ``engine.step()``: move the expert biases (collective over the workers) or drop the loads.
-
-    A DeepSpeed step skipped on fp16 overflow drops the step's loads instead. No-op (no collective) for
-    models without expert-bias or global-batch layers.
-
-    Example::
-
-        for _ in range(grad_accum): ...; engine.step()
-        finish_moe_step(engine)
-    """
-    inner = getattr(engine, "engine", None)
-    if inner is not None and hasattr(inner, "was_step_applied") and not inner.was_step_applied():
-        reset_expert_loads(engine.module)
-        return
-    update_expert_biases(engine.module, group=engine.worker_group)
-
-
-def has_expert_parallel_layers(model: nn.Module) -> bool:
-    """Whether DeepSpeed sees MoE layers in ``model`` (expert groups, expert param groups, MoE checkpoints)."""
-    return any(isinstance(m, MoE) for m in model.modules())
-
-
-def optimizer_param_groups(model: nn.Module) -> list[Any]:
-    """DeepSpeed's ``model_parameters``: the experts in their own ``moe`` groups when it sees MoE layers.
-
-    ZeRO 1/2 require the split for MoE models; without MoE layers it is the plain parameter list.
-
-    Example::
-
-        deepspeed.initialize(model=model, model_parameters=optimizer_param_groups(model), config=ds)
-    """
-    if not has_expert_parallel_layers(model):
-        return list(model.parameters())
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    return split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"})
-
-
-class MoEDeepSpeedRecEngine(DeepSpeedRecEngine):
-    """DeepSpeed's engine over a model with expert-parallel MoE layers; checkpoints through ``moe_proto``.
-
-    DeepSpeed 0.19.8's own MoE checkpoint expects its per-expert module names and fails on
-    stacked expert weights, so parameters and Adam state go to moe_proto's topology-free
-    checkpoint (reloads at any ep_size) and each rank's other module state (packed tables,
-    caches) and the client state to ``<tag>/rec_state_rank<r>.pt``; ``latest`` names the tag.
-    """
-
-    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
-        save_moe_checkpoint(self.engine, save_dir, tag)  # collective; creates <save_dir>/<tag>
-        params = {name for name, _ in self.module.named_parameters()}
-        state = {k: v for k, v in self.module.state_dict().items() if k not in params}
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.save({"module_state": state, "client_state": client_state},
-                   Path(save_dir) / tag / f"rec_state_rank{rank}.pt")
-        if dist.is_initialized():
-            dist.barrier()
-        if rank == 0:
-            (Path(save_dir) / "latest").write_text(tag)  # last: a half-written checkpoint is never "latest"
-
-    def load_checkpoint(self, load_dir: str) -> tuple[str | None, dict[str, Any]]:
-        latest = Path(load_dir) / "latest"
-        if not latest.is_file():
-            return None, {}
-        tag = latest.read_text().strip()
-        load_moe_checkpoint(self.engine, load_dir, tag)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        saved = torch.load(Path(load_dir) / tag / f"rec_state_rank{rank}.pt", map_location="cpu", weights_only=False)
-        missing, unexpected = self.module.load_state_dict(saved["module_state"], strict=False)
-        params = {name for name, _ in self.module.named_parameters()}
-        if unexpected or set(missing) - params:
-            raise RecJobError(f"{load_dir}/{tag}: the checkpoint's module state does not fit the model "
-                              f"(unexpected {unexpected}, missing {sorted(set(missing) - params)})")
-        return str(Path(load_dir) / tag), saved["client_state"]
-
-
-def deepspeed_rec_engine(engine: Any, sparse_lr: float | None) -> DeepSpeedRecEngine:
-    """The rec engine around a DeepSpeed engine: the MoE variant (expert-aware clip, MoE checkpoints) if needed.
-
-    Example::
-
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=optimizer_param_groups(model), config=ds)
-        rec_engine = deepspeed_rec_engine(engine, sparse_lr=None)
-    """
-    if not has_expert_parallel_layers(engine.module):
-        return DeepSpeedRecEngine(engine, sparse_lr)
-    bind_expert_aware_clipping(engine)  # DeepSpeed's fp32 clip miscounts experts under ep > 1 (#8475)
-    return MoEDeepSpeedRecEngine(engine, sparse_lr)
 
 
 def load_events(towers: Sequence[tuple[str, MoETower]], x: int) -> list[MonitorEvent]:
@@ -459,5 +312,5 @@ def expert_load_summary(engine: "RecEngine", block: MoEProtoConfig | None) -> di
                         "tokens_per_expert": load.tokens_per_expert.tolist(),
                         "dropped_fraction": load.dropped_fraction, "load_max": load.load_max}
     return {"num_experts": block.num_experts, "num_prototypes": block.num_prototypes, "top_k": block.top_k,
-            "ep_size": block.ep_size, "experts": "replicated" if not has_expert_parallel_layers(engine.module)
+            "ep_size": block.ep_size, "experts": "replicated" if not has_moe_layers(engine.module)
             else "expert-parallel", "aux_loss_coef": block.aux_loss_coef, "layers": layers}

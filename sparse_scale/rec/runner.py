@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +27,7 @@ from sparse_scale.rec.job import RecJob
 from sparse_scale.rec.loop import train_loop
 from sparse_scale.rec.summary import RecSummary, ServerSummary
 from sparse_scale.reporting import wandb_dir
+from sparse_scale.threads import set_default_threads
 
 logger = logging.getLogger(__name__)
 ModelFactory = Callable[[RecJob], torch.nn.Module]
@@ -38,10 +38,6 @@ def job_context(config: RecJobConfig) -> DistContext:
     if config.rejoin_as is not None:
         return engines.rejoin_context(config)
     return init_distributed()
-
-
-def _threads(config: RecJobConfig, ctx: DistContext) -> int:
-    return config.threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size or ctx.world_size))
 
 
 def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | None = None,
@@ -57,12 +53,12 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
     """
     check_combinations(config)
     ctx = ctx if ctx is not None else job_context(config)
-    torch.set_num_threads(_threads(config, ctx))
+    set_default_threads(ctx.local_world_size or ctx.world_size, requested=config.threads)
     torch.manual_seed(config.seed)
     job = RecJob.build(config, ctx.rank, ctx.world_size)
     data.check_epochs(job)  # --epochs against --steps, before any engine (or parameter server) starts
     net = (model_factory or model.build_model)(job)
-    built = engines.build_engine(job, net, ctx, model.scheduled_sparse_lr(job.picasso))
+    built = engines.build_engine(job, net, ctx)
     if isinstance(built, engines.ServedJob):
         return ServerSummary(built.stats)
     engine = built

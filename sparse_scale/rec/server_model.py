@@ -21,28 +21,11 @@ from typing import Any
 from torch import nn
 
 from gba_engine.packed_tables import ServerPackedFieldEmbeddings
-from gba_engine.ps.optim import TableOptimizerSpec
-from picasso_ops.embedding.sparse_optim import OPTIMIZERS
 from picasso_ops.models import DLRM, WideAndDeep
+from sparse_scale.builders import table_optimizer
 from sparse_scale.rec.job import RecJob
 
 logger = logging.getLogger(__name__)
-
-
-def table_optimizer(block: Any) -> TableOptimizerSpec:
-    """The servers' optimizer for the packed tables, from a validated ``picasso`` block.
-
-    Only the hyperparameters the chosen optimizer takes are passed (``eps`` means nothing to sgd).
-
-    Example::
-
-        >>> from picasso_ops.config import PicassoConfig
-        >>> table_optimizer(PicassoConfig.model_validate({"optimizer": {"type": "sgd", "lr": 0.1}})).params
-        (('lr', 0.1),)
-    """
-    opt = block.optimizer
-    params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
-    return TableOptimizerSpec.of(opt.type, lr_schedule=opt.lr_schedule, **params)
 
 
 def server_packed_model(job: RecJob, block: Any, **tower: Any) -> nn.Module:

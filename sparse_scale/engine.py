@@ -1,0 +1,175 @@
+"""The engine ``sparse_scale.initialize`` returns: DeepSpeed's (or GBA's) with each block's work in its own methods.
+
+Everything DeepSpeed's engine has is reachable on it (``engine.global_steps``, ``engine.monitor``,
+``engine.get_lr()``, ...); these methods do more:
+
+* ``step()``: DeepSpeed's step, then at the accumulation boundary the sparse tables' step
+  (``picasso_ops.distributed.engine_step``: their optimizer at DeepSpeed's lr schedule, dropped
+  with a skipped fp16 step) and the MoE layers' expert-bias update from the step's loads;
+  under a gba block the GBA engine's step (the servers own tables and dense state);
+* ``save_checkpoint`` / ``load_checkpoint``: hot-row caches flushed first; a model with
+  ``moe_proto`` MoE layers goes through ``moe_proto.checkpoint`` (expert rows per global
+  expert, reloads at any ep_size, ZeRO 0-3) plus each rank's other module state;
+* ``close()``: a gba worker leaves the job (also at exit).
+
+Example::
+
+    engine, optimizer, _, scheduler = sparse_scale.initialize(model=model, config="ds_config.json")
+    loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
+    engine.save_checkpoint("ckpt")                 # tag global_step<N>, like DeepSpeed
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_proto.balance import balance_modules, reset_expert_loads, update_expert_biases
+from moe_proto.param_groups import has_moe_layers
+from picasso_ops.block import flush_caches
+from picasso_ops.distributed import engine_step
+
+logger = logging.getLogger(__name__)
+
+MODULE_STATE_FILE = "module_state_rank{rank}.pt"  # beside a moe_proto checkpoint: buffers, tables, client state
+
+
+class SparseEngine:
+    """A DeepSpeed (or GBA) engine whose ``step``, ``save_checkpoint`` and ``load_checkpoint`` serve every block.
+
+    Built by :func:`sparse_scale.initialize`; ``inner`` is the engine it wraps (``deepspeed``'s
+    ``DeepSpeedEngine`` or ``gba_engine.GBAEngine``). ``is_server``: this rank is a gba parameter
+    server that served the whole job inside ``initialize``; skip the training loop there.
+
+    Example::
+
+        if engine.is_server:
+            return
+        out = engine(x); engine.backward(loss_fn(out, y)); engine.step()
+    """
+
+    _OWN = frozenset({"inner", "gba", "sparse_lr", "is_server", "module", "_moe", "_balanced"})
+
+    def __init__(self, inner: Any, *, gba: bool, sparse_lr: float | None) -> None:
+        self.inner, self.gba, self.sparse_lr = inner, gba, sparse_lr
+        self.is_server = bool(getattr(inner, "is_server", False))
+        self.module: torch.nn.Module = inner.module
+        self._moe = has_moe_layers(self.module)
+        self._balanced = bool(balance_modules(self.module))
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the wrapper's own names stay here; the rest (engine.global_steps = ..., as DeepSpeed code does) go inside
+        if name in self._OWN or "inner" not in self.__dict__ or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def __repr__(self) -> str:
+        return f"SparseEngine({type(self.inner).__name__}, module={type(self.module).__name__})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
+        return self.inner.backward(loss, **kwargs)
+
+    def step(self) -> None:
+        """The optimizer step of every part of the model (at the gradient-accumulation boundary)."""
+        if self.gba:
+            self.inner.step()
+            return
+        boundary = engine_step(self.inner, sparse_lr=self.sparse_lr)
+        if boundary and self._balanced:
+            if self.inner.was_step_applied():
+                update_expert_biases(self.module)  # collective over the world: every rank steps together
+            else:
+                reset_expert_loads(self.module)
+
+    def train(self, mode: bool = True) -> "SparseEngine":
+        self.inner.train(mode)
+        return self
+
+    def eval(self) -> "SparseEngine":
+        self.inner.eval()
+        return self
+
+    def close(self) -> None:
+        """A gba worker leaves the job (the servers stop once every worker closed); nothing for DeepSpeed's engine."""
+        if self.gba:
+            self.inner.close()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, **kwargs: Any) -> Any:
+        """Save the whole model where DeepSpeed would (``<save_dir>/<tag>``, ``latest``); every rank calls it."""
+        flush_caches(self.module)  # a hot-row cache's dirty rows go to the stores the state is read from
+        client_state = dict(client_state or {})
+        if self.gba:
+            return self.inner.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+        if not self._moe:
+            return self.inner.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                              **kwargs)
+        _refuse_options("save_checkpoint", kwargs)
+        from moe_proto.checkpoint import save_checkpoint as save_moe
+
+        tag = tag or f"global_step{self.inner.global_steps}"
+        save_moe(self.inner, save_dir, tag)  # collective; creates <save_dir>/<tag>
+        params = {name for name, _ in self.module.named_parameters()}
+        state = {k: v for k, v in self.module.state_dict().items() if k not in params}
+        torch.save({"module_state": state, "client_state": client_state},
+                   Path(save_dir) / tag / MODULE_STATE_FILE.format(rank=_rank()))
+        if dist.is_initialized():
+            dist.barrier()
+        if save_latest and _rank() == 0:
+            (Path(save_dir) / "latest").write_text(tag)  # last: a half-written checkpoint is never "latest"
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str | None, dict]:
+        """Restore what :meth:`save_checkpoint` wrote; ``(path, client_state)``, ``(None, {})`` when there is none."""
+        if self.gba:
+            _refuse_options("load_checkpoint", kwargs)
+            return self.inner.load_checkpoint(load_dir, tag=tag)
+        if not self._moe:
+            return self.inner.load_checkpoint(load_dir, tag=tag, **kwargs)
+        _refuse_options("load_checkpoint", kwargs)
+        from moe_proto.checkpoint import load_checkpoint as load_moe
+
+        if tag is None:
+            latest = Path(load_dir) / "latest"
+            if not latest.is_file():
+                logger.warning("load_checkpoint: no 'latest' in %s; nothing loaded", load_dir)
+                return None, {}
+            tag = latest.read_text().strip()
+        load_moe(self.inner, load_dir, tag)
+        path = Path(load_dir) / tag / MODULE_STATE_FILE.format(rank=_rank())
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved by another world size or is "
+                                    "incomplete (each rank saves its own module state)")
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        missing, unexpected = self.module.load_state_dict(saved["module_state"], strict=False)
+        params = {name for name, _ in self.module.named_parameters()}
+        if unexpected or set(missing) - params:
+            raise ValueError(f"{path}: the checkpoint's module state does not fit the model "
+                             f"(unexpected {unexpected}, missing {sorted(set(missing) - params)})")
+        return str(Path(load_dir) / tag), saved["client_state"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _refuse_options(what: str, kwargs: dict[str, Any]) -> None:
+    if kwargs:
+        raise TypeError(f"{what}({', '.join(f'{k}=' for k in sorted(kwargs))}): not supported for models with "
+                        "moe_proto MoE layers or under a gba block (their checkpoints save and load everything)")
