@@ -321,3 +321,17 @@ def test_gba_block_runs_an_own_model_with_tables_on_the_servers(mode):
     for r in workers:
         assert r["class"] == "ServerPackedFieldEmbeddings" and r["mode"] == ("gba" if mode == "gba" else "sync")
         assert sum(r["losses"][-5:]) < sum(r["losses"][:5])
+
+
+def test_prefetch_batches_reads_the_training_data_ahead_in_the_same_order():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sparse_scale.entry import PrefetchingLoader, _prefetching, load_job
+
+    loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=4)
+    job = load_job(ds_config(picasso={**PICASSO, "interleave": {"prefetch_batches": 2}}))
+    ahead = _prefetching(loader, job)
+    assert isinstance(ahead, PrefetchingLoader) and len(ahead) == 8
+    passes = [[b[0].tolist() for b in ahead] for _ in range(2)]  # re-iterable: one read-ahead thread per pass
+    assert passes[0] == passes[1] == [b[0].tolist() for b in loader]
+    assert _prefetching(loader, load_job(ds_config(picasso=PICASSO))) is loader  # 0: off
