@@ -312,7 +312,7 @@ def _gba_own_dlrm(rank, world, config, steps):
     return {"server": False, "losses": losses, "mode": mode, "version": version, "class": type(tables).__name__}
 
 
-@pytest.mark.parametrize("mode", ["gba", "auto"])
+@pytest.mark.parametrize("mode", [pytest.param("gba", marks=pytest.mark.soak), "auto"])
 def test_gba_block_runs_an_own_model_with_tables_on_the_servers(mode):
     config = ds_config(picasso=PICASSO, gba={"mode": mode, "num_servers": 1, "timeout_s": 20})
     results = run_distributed(_gba_own_dlrm, world_size=3, args=(config, 20), timeout_s=60)

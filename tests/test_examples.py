@@ -110,6 +110,7 @@ def _check_gba(r: dict) -> None:
     assert r["steps_per_mode"].get("gba", 0) > 0, r
 
 
+@pytest.mark.soak  # a launcher run of 10 s or more: make soak (CI runs it)
 @pytest.mark.slow
 def test_dlrm_gba_switches_to_gba_for_the_slowed_worker_and_learns(deepspeed_built, tmp_path):
     r = run_example(tmp_path, "dlrm_gba.py", 3, "--steps", "50", "--slow-rank", "1", "--slow-factor", "4",
@@ -117,6 +118,7 @@ def test_dlrm_gba_switches_to_gba_for_the_slowed_worker_and_learns(deepspeed_bui
     _check_gba(r)
 
 
+@pytest.mark.soak  # a launcher run of 10 s or more: make soak (CI runs it)
 @pytest.mark.slow
 def test_all_blocks_in_one_script(deepspeed_built, tmp_path):
     r = run_example(tmp_path, "all_blocks.py", 3, "--steps", "50", "--slow-steps", "10-25", "--eval-samples", "2048")

@@ -116,6 +116,7 @@ def test_exit_while_the_producer_is_inside_a_torch_op_is_clean(tmp_path):
     assert "consumed one batch" in out and "terminate called" not in out, out[-3000:]
 
 
+@pytest.mark.soak  # a launcher run of 10 s or more: make soak (CI runs it)
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_DEADLINE_S + 240)  # + DeepSpeed's one-time comm-op build, if not built yet
 def test_kjt_training_on_two_ranks_exits_with_rc_0(tmp_path):

@@ -245,6 +245,7 @@ def test_docs_snippet_shows_the_synced_tables_and_engine_step():
     compile(code, "docs/picasso.md", "exec")
 
 
+@pytest.mark.soak  # a launcher run of 10 s or more: make soak (CI runs it)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_docs_snippet_runs_on_two_ranks_with_equal_replicas(tmp_path):
