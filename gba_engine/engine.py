@@ -36,6 +36,7 @@ from .protocol import (FLAG, Leave, LoadShards, decode_float, decode_stats, done
 from .ps import OptimizerSpec, PSClient, PSRuntime
 from .ps.sharding import ServerTableSpec
 from .row_cache import ServerRowCache
+from .step_clock import PeerWaits
 from .switch import state_from_deepspeed, state_into_deepspeed
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ class GBAEngine:
         self.ctx = WorkerContext(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=module, tables=self.tables,
                                  micro_batch=micro, gas=gas, row_cache=cache)
         self.phase, self.policy = start(self.ctx)
+        # DeepSpeed's collectives are waits on peers, not this worker's time (step_clock.py)
+        self._peer_waits = PeerWaits.attach(self.ctx.clock) if ds_engine is not None else None
         self.ctx.observer.mode = self.phase.name  # the observer counts steps per phase from the first one
         if joined_phase is not None:
             self.phase = GBAPhase(self.ctx, kept=True)
@@ -115,6 +118,14 @@ class GBAEngine:
     def global_steps(self) -> int:
         """Local optimizer steps of this worker."""
         return 0 if self.ctx is None else self.ctx.global_steps
+
+    @property
+    def job_step(self) -> int:
+        """The job step this worker last trained (from 0): the step of every switch message and summary line.
+
+        With :meth:`claim_batches` its batch number // workers, else its optimizer steps - 1 (docs/gba.md).
+        """
+        return 0 if self.ctx is None else self.ctx.job_step
 
     @property
     def global_samples(self) -> int:
@@ -159,7 +170,6 @@ class GBAEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Local backward (gba) or DeepSpeed's backward with its all-reduce (sync)."""
         self._worker_only("backward")
-        self.ctx.local_s += time.perf_counter() - self.ctx.mark  # data + forward + user work: no waiting on peers
         self.phase.backward(loss)
 
     def step(self) -> None:
@@ -167,7 +177,7 @@ class GBAEngine:
         self._worker_only("step")
         if self.phase.step():
             self._after_update()
-        self.ctx.mark = time.perf_counter()
+            self.ctx.clock.restart()  # the next step starts after the policy's exchange and any hand-over
 
     def train(self, mode: bool = True) -> "GBAEngine":
         """Training mode of the module (like DeepSpeedEngine.train)."""
@@ -187,7 +197,7 @@ class GBAEngine:
 
     def _after_update(self) -> None:
         ctx = self.ctx
-        local, ctx.local_s = ctx.local_s, 0.0
+        local = ctx.clock.lap()  # the whole step minus waits on peers and servers (step_clock.py)
         ctx.global_steps += 1
         ctx.observer.on_step(ctx.local_samples, local, ctx.version)
         if ctx.row_cache is not None and ctx.global_steps % CACHE_EVENT_EVERY == 0:
@@ -235,6 +245,8 @@ class GBAEngine:
 
     def _next_claim(self) -> int | None:
         index = self.ctx.claims.next()
+        if index is not None:
+            self.ctx.last_batch = index
         if index is not None or self.ctx.claims.mode == "sync":
             return index
         # gba phase out of batches: nobody may wait for pushes of a worker that stopped
@@ -327,6 +339,7 @@ class GBAEngine:
         nbytes = self.phase.enter()
         self.policy.on_entered("gba", slow)
         self._record_switch(self.ctx.observer.mode, t0, nbytes, reason)
+        self.ctx.clock.restart()  # a hand-over is no step's time
 
     def switch_to_sync(self, reason: str) -> None:
         """Take the servers' state back into DeepSpeed (collective over the workers) and continue in sync."""
@@ -336,11 +349,12 @@ class GBAEngine:
         self.phase.adopt(state)
         self.policy.on_entered("sync")
         self._record_switch("gba", t0, state.nbytes, reason)
+        self.ctx.clock.restart()
 
     def _record_switch(self, src: str, t0: float, nbytes: int, reason: str) -> None:
         dst, observer = self.phase.name, self.ctx.observer
         if src != dst:
-            observer.on_switch(self.ctx.global_steps, src, dst, time.perf_counter() - t0, nbytes, reason)
+            observer.on_switch(self.ctx.job_step, src, dst, time.perf_counter() - t0, nbytes, reason)
         else:
             observer.mode = dst
 
@@ -444,6 +458,8 @@ class GBAEngine:
         except Exception as exc:  # the servers may already be gone after a failure: nothing left to tell
             logger.info("rank %d: close could not reach the servers: %s", self.rt.rank, exc)
         finally:
+            if self._peer_waits is not None:
+                self._peer_waits.detach()
             for end in self._on_close:
                 end()
         self.rt.close()

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 class SwitchEvent:
     """One mode change and what the hand-over cost."""
 
-    step: int
+    step: int  # the job step (GBAEngine.job_step): the last step trained before the switch, from 0
     src: str
     dst: str
     seconds: float
@@ -90,7 +90,7 @@ class Observer:
         self.switches.append(ev)
         self.mode = dst
         if self.rank == 0:
-            logger.warning("gba: switched %s -> %s at step %d in %.3fs moving %.2f MB (%s)", src, dst, step, seconds,
+            logger.warning("gba: switched %s -> %s at job step %d in %.3fs moving %.2f MB (%s)", src, dst, step, seconds,
                            nbytes / 1e6, reason)
         self._write([(MODE_IS_GBA_EVENT, 1.0 if dst == "gba" else 0.0, self.x), (SWITCH_SECONDS_EVENT, seconds, self.x),
                      (SWITCH_MBYTES_EVENT, nbytes / 1e6, self.x)])

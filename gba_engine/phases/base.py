@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import time
 from typing import Any, ClassVar, Mapping, Protocol
 
 import torch
@@ -30,6 +29,7 @@ from ..ps import OptimizerSpec, PSClient, PSRuntime
 from ..ps.runtime import Liveness
 from ..ps.sharding import ServerTableSpec
 from ..row_cache import ServerRowCache
+from ..step_clock import StepClock
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,9 +48,9 @@ class WorkerContext:
     global_steps: int = 0  # local optimizer steps of this worker
     truth: str = "workers"  # where the current parameters live: "workers" (DeepSpeed) or "servers"
     gba_phases: int = 0  # gba phases entered so far, job-wide numbering (the servers count them the same way)
-    local_s: float = 0.0  # this step's local time so far: data + compute, no waiting on peers or servers
-    mark: float = dataclasses.field(default_factory=time.perf_counter)
+    clock: StepClock = dataclasses.field(default_factory=StepClock)  # this step's own time (step_clock.py)
     claims: BatchClaims | None = None
+    last_batch: int | None = None  # the batch number claim_batches last handed this worker
     pulled_rows: list = dataclasses.field(default_factory=list)  # (table, unique ids, leaf) of this step
     row_cache: ServerRowCache | None = None  # the worker's read cache of server rows (row_cache.py), if configured
     ps_bytes: dict = dataclasses.field(default_factory=lambda: {"sent": 0, "received": 0})  # of closed clients
@@ -84,6 +84,18 @@ class WorkerContext:
     def is_first(self) -> bool:
         """Whether this worker coordinates the servers (sends commands, saves, decides auto switches)."""
         return self.rt.rank == self.rt.layout.workers[0]
+
+    @property
+    def job_step(self) -> int:
+        """The job step this worker last trained, counted from 0: the one counter of every message and summary line.
+
+        With :meth:`GBAEngine.claim_batches`, its batch number // workers (what the rec job's ``--straggler``
+        windows count; in a gba phase the fast workers move it on); otherwise this worker's optimizer steps - 1,
+        which is the user's loop index in ``for step in range(steps)``.
+        """
+        if self.last_batch is not None:
+            return self.last_batch // self.num_workers
+        return max(0, self.global_steps - 1)
 
     @property
     def dense_numel(self) -> int:

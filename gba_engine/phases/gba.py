@@ -143,7 +143,7 @@ class GBAPhase(Phase):
         if ctx.module.training and self.token is None:
             t0 = time.perf_counter()
             self._pull()
-            ctx.local_s -= time.perf_counter() - t0  # waiting for the servers is not this worker's slowness
+            ctx.clock.add_blocked(time.perf_counter() - t0)  # waiting for the servers is not this worker's slowness
         return ctx.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -169,7 +169,7 @@ class GBAPhase(Phase):
                                           min_version=None)
         else:
             rows = self.client.pull(dict(ids), dense=False, min_version=None).rows
-        ctx.local_s -= time.perf_counter() - t0
+        ctx.clock.add_blocked(time.perf_counter() - t0)
         return rows
 
     def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
@@ -202,7 +202,9 @@ class GBAPhase(Phase):
         ctx = self.ctx
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ctx.module.parameters()]
         ids, rows = ctx.take_row_grads()
-        self.client.push(parameters_to_vector(grads), ids, rows, self.token, num_samples=ctx.local_samples)
+        flat = parameters_to_vector(grads)
+        with ctx.clock.blocked():  # talking to the servers is not this worker's slowness
+            self.client.push(flat, ids, rows, self.token, num_samples=ctx.local_samples)
         for p in ctx.module.parameters():
             p.grad = None
         self.token, self.micro = None, 0

@@ -90,7 +90,7 @@ class SyncPhase(Phase):
         else:
             got = self.client.pull(dict(ids), dense=False, min_version=ctx.version)
             rows, token = got.rows, got.token
-        ctx.local_s -= time.perf_counter() - t0  # waiting on peers is not this worker's slowness
+        ctx.clock.add_blocked(time.perf_counter() - t0)  # waiting on peers is not this worker's slowness
         if self.token is None and ctx.module.training:
             self.token = token
         return rows
@@ -117,7 +117,8 @@ class SyncPhase(Phase):
         if self.token is None:  # no lookup this step: the servers still count this worker's share of the batch
             self.token = self.client.pull({}, dense=False, min_version=ctx.version).token
         ids, rows = ctx.take_row_grads()
-        self.client.push(None, ids, rows, self.token, num_samples=ctx.local_samples)
+        with ctx.clock.blocked():  # the servers apply the batch once every worker pushed
+            self.client.push(None, ids, rows, self.token, num_samples=ctx.local_samples)
         self.token = None
 
 

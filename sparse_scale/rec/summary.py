@@ -98,7 +98,7 @@ def gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
         return []
     rows = [("gba mode (end) / steps per mode", f"{g['mode']} / {g['steps_per_mode']}"),
             ("gba switches", f"{len(g['switches'])} ({g['switch_seconds']:.3f} s, {g['switch_bytes'] / 1e6:.2f} MB)")]
-    rows += [(f"  step {e['step']}", f"{e['src']} -> {e['dst']}: {e['reason']}") for e in g["switches"]]
+    rows += [(f"  job step {e['step']}", f"{e['src']} -> {e['dst']}: {e['reason']}") for e in g["switches"]]
     if g["staleness_histogram"]:
         rows.append(("gba staleness (tau: grads)", ", ".join(f"{t}: {n}" for t, n in g["staleness_histogram"].items())))
     if g["gradients"]:
