@@ -37,10 +37,10 @@ def _started_distributed() -> tuple[int, int]:
     """``(rank, world size)``, starting torch.distributed for a launched job (tables broadcast their init)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        from sparse_scale.distenv import init_distributed
+    from sparse_scale.distenv import init_distributed, resolve_dist_env
 
-        init_distributed(backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not (dist.is_available() and dist.is_initialized()) and resolve_dist_env(os.environ).world_size > 1:
+        init_distributed(backend="nccl" if torch.cuda.is_available() else "gloo")  # deepspeed, mpirun, srun alike
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -254,11 +254,15 @@ def _dist_place(dist_init_required: bool | None) -> tuple[int, int, str]:
     """``(world size, ranks on this node, master address)`` of this launch, torch.distributed started for it."""
     import torch.distributed as dist
 
-    from sparse_scale.distenv import init_distributed, resolve_dist_env
+    from sparse_scale.distenv import DistEnvError, init_distributed, resolve_dist_env
 
     if dist.is_available() and dist.is_initialized():
-        spec = resolve_dist_env(os.environ)
-        return dist.get_world_size(), spec.local_world_size or dist.get_world_size(), spec.master_addr
+        world = dist.get_world_size()
+        try:
+            spec = resolve_dist_env(os.environ)
+        except DistEnvError:  # started by the user from variables of their own: take what torch knows
+            return world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return world, spec.local_world_size or world, spec.master_addr
     if dist_init_required is False:
         return 1, 1, "127.0.0.1"
     ctx = init_distributed(backend="nccl" if torch.cuda.is_available() else "gloo")
