@@ -46,6 +46,8 @@ from torch import Tensor, nn
 from sparse_scale.base.zero_state import (base_optimizer, is_partitioned, read_full_param,
                                          relink_zero_optimizer_states, write_param_fragment, zero_stage)
 
+from .ds_layout import stacked_layout
+from .experts import GroupedExperts
 from .layer import MoE
 from .zero3 import flat_groups, gathered_value, is_zero3_param, read_full_state, write_full_state
 
@@ -68,6 +70,11 @@ def expert_params(model: nn.Module) -> Dict[str, MoE]:
     owners: Dict[str, MoE] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, MoE):
+            if not isinstance(module.experts, GroupedExperts):
+                raise ValueError(f"MoE layer {prefix or '(the model)'} holds per-expert modules "
+                                 f"({type(module.experts).__name__}): moe_proto's checkpoints and full state dicts "
+                                 "cover stacked experts only; save it with DeepSpeed's engine.save_checkpoint "
+                                 "(ZeRO 0-2) or its state_dict()")
             for name, _ in module.experts.named_parameters():
                 owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
     return owners
@@ -93,7 +100,9 @@ def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Non
                 raise ValueError(f"load_full_state_dict: {name} is already partitioned by ZeRO-3; call it before "
                                  "deepspeed.initialize, or use load_checkpoint on the engine")
             if name not in full_state:
-                raise KeyError(f"parameter {name} is missing from the full state dict")
+                hint = (": the state is in DeepSpeed's layout; take it as `with moe_proto.ds_layout.stacked_layout(full): "
+                        "full.state_dict()`" if any(".deepspeed_experts." in k for k in full_state) else "")
+                raise KeyError(f"parameter {name} is missing from the full state dict{hint}")
             param.copy_(_local_rows(full_state[name], owners.get(name)))
 
 
@@ -130,6 +139,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
     path = os.path.join(save_dir, tag, _SUBDIR)
     model = engine.module
     owners = expert_params(model)
+    shapes = sorted({(layer.num_experts, layer.ep_size) for layer in owners.values()})
+    if len(shapes) > 1:  # the same on every rank: all of them raise, before any collective
+        raise ValueError(f"MoE layers of one model have different (num_experts, ep_size) {shapes}: moe_proto's "
+                         "checkpoint writes one expert range per rank; give every layer the same num_experts "
+                         "and ep_size")
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)
@@ -160,11 +174,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
             # default=float: a tensor-valued lr stays readable.
             json.dump({k: v for k, v in meta.items() if k != "lr_scheduler"}, f, indent=1, default=float)
     if experts and _is_expert_writer(owners):
-        ranges = set(writer_ranges.values())
-        if len(ranges) != 1:
-            raise ValueError(f"MoE layers of one model hold different expert ranges {sorted(ranges)}: "
-                             "give every layer the same num_experts and ep_size")
-        first, last = ranges.pop()
+        first, last = next(iter(writer_ranges.values()))  # one range: the layers' shapes were checked above
         torch.save({"first": first, "last": last, "params": experts},
                    os.path.join(path, f"experts_{first:06d}-{last:06d}.pt"))
     dist.barrier()
@@ -225,7 +235,9 @@ def _persistent_buffers(model: nn.Module) -> Dict[str, Tensor]:
     for prefix, module in model.named_modules():
         if isinstance(module, MoE):
             params = {name for name, _ in module.named_parameters()}
-            for name, value in module.state_dict().items():
+            with stacked_layout(module):
+                state = module.state_dict()
+            for name, value in state.items():
                 if name not in params:
                     out[f"{prefix}.{name}" if prefix else name] = value.detach().cpu().clone()
     return out

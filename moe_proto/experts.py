@@ -131,6 +131,18 @@ def blocks_to_expert_major(counts: Tensor) -> Tensor:
     return segment_rows(start.t().reshape(-1), counts.t().reshape(-1))
 
 
+def run_expert_major(experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
+    """``experts(rows, [E] counts)`` for B blocks of expert-major rows (``counts [B, E]``), in ``x``'s row order.
+
+    Example: ``run_expert_major(experts, x, torch.tensor([[1, 0], [2, 1]]))`` (rows of peer 0, then peer 1).
+    """
+    _check_blocks(counts, experts.num_experts, x.shape[0])
+    index = blocks_to_expert_major(counts)
+    inverse = torch.empty_like(index).index_copy_(0, index, torch.arange(index.numel(), device=index.device))
+    y = experts(PermuteRows.apply(x, index, inverse), counts.sum(dim=0))
+    return PermuteRows.apply(y, inverse, index)
+
+
 class PermuteRows(torch.autograd.Function):
     """``x.index_select(0, index)`` for a permutation ``index``; backward gathers by its ``inverse``.
 
@@ -467,6 +479,10 @@ class GroupedExperts(nn.Module):
         self.b1 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, **kw)) if bias else None
         self.b3 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, **kw)) if bias and gated else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
+        # Each stacked tensor's key in one expert's own state dict (moe_proto/ds_layout.py: DeepSpeed's layout).
+        self.expert_keys: Dict[str, str] = {name: f"fc{name[1]}.{'weight' if name[0] == 'w' else 'bias'}"
+                                            for name in ("w1", "b1", "w3", "b3", "w2", "b2")
+                                            if getattr(self, name) is not None}
         self.reset_parameters()
         if expert_group_name is not None:
             for param in self.parameters():
@@ -500,11 +516,7 @@ class GroupedExperts(nn.Module):
             return fused_expert_ffn(x, tokens_per_expert, self.activation, self.w1, self.b1, self.w2, self.b2,
                                     self.w3, self.b3, pool=self.buffer_pool, use_cpp=self.cpp_ffn)
         if tokens_per_expert.dim() == 2:  # gathered expert-major, computed, and put back
-            _check_blocks(tokens_per_expert, self.num_experts, x.shape[0])
-            index = blocks_to_expert_major(tokens_per_expert)
-            inverse = torch.empty_like(index).index_copy_(0, index, torch.arange(index.numel(), device=index.device))
-            y = self(PermuteRows.apply(x, index, inverse), tokens_per_expert.sum(dim=0))
-            return PermuteRows.apply(y, inverse, index)
+            return run_expert_major(self, x, tokens_per_expert)
         row_expert = None
         if self.b1 is not None:
             experts = torch.arange(self.num_experts, device=x.device)
@@ -561,6 +573,10 @@ class GroupedExperts(nn.Module):
             if fc1.bias is not None:
                 stacked.b1.copy_(fc1.bias.expand_as(stacked.b1))
                 stacked.b2.copy_(fc2.bias.expand_as(stacked.b2))
+        names = {id(m): n for n, m in expert.named_modules()}
+        stacked.expert_keys = {"w1": f"{names[id(fc1)]}.weight", "w2": f"{names[id(fc2)]}.weight"}
+        if fc1.bias is not None:
+            stacked.expert_keys.update(b1=f"{names[id(fc1)]}.bias", b2=f"{names[id(fc2)]}.bias")
         stacked._check_matches(expert)
         return stacked
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import dispatch as dispatch_ops
+from . import ds_layout
 from . import parallel
 from . import routing
 from .args import MoEArgs
@@ -42,6 +43,7 @@ from .balance import ExpertBalance
 from .buffer_pool import default_pool
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
+from .module_experts import ModuleExperts
 from .ops import cpu_ops_for
 from .routing import RoutingRecord, RoutingStats
 
@@ -133,6 +135,19 @@ def _router_input_grad_from_buffer(deposit: Tuple[Tensor, Tensor, Tensor], grad:
     ops.add_router_input_grad(buffer_grad, grad.contiguous(), w.contiguous(), out, route_row.contiguous(),
                               route_offsets.contiguous())
     return out
+
+
+def _experts_from_module(expert: nn.Module, args: MoEArgs) -> nn.Module:
+    """The stacked experts when the module is an FFN they copy exactly, else DeepSpeed-style deep copies."""
+    try:
+        experts = GroupedExperts.from_module(expert, args.num_local_experts, args.expert_group_name)
+    except ValueError as why:
+        logger.info("MoE layer: expert module %s takes the per-expert path (deep copies, a loop over experts): %s",
+                    type(expert).__name__, why)
+        return ModuleExperts(expert, args.num_local_experts, args.hidden_size, args.expert_group_name)
+    logger.info("MoE layer: expert module %s takes the stacked path (grouped %s FFN)", type(expert).__name__,
+                experts.activation)
+    return experts
 
 
 class _MoEFamily(type):
@@ -268,7 +283,7 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
             if ffn_hidden_size is not None or activation is not None:
                 raise ValueError("ffn_hidden_size/activation describe experts the layer builds itself; with an "
                                  "expert module they come from the module: leave them None")
-            self.experts = GroupedExperts.from_module(expert, args.num_local_experts, args.expert_group_name)
+            self.experts = _experts_from_module(expert, args)
             if self.experts.hidden_size != hidden_size:
                 raise ValueError(f"expert module works on width {self.experts.hidden_size}, "
                                  f"hidden_size is {hidden_size}")
@@ -280,14 +295,22 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
         if num_shared_experts:
             # n shared experts of width w are one dense FFN of width n*w (their sum); replicated, reduced over DP.
             width = shared_expert_ffn_hidden_size or self.experts.ffn_hidden_size
+            if width is None:
+                raise ValueError(f"num_shared_experts={num_shared_experts}: the expert module "
+                                 f"{type(expert).__name__} has no FFN width to copy; pass shared_expert_ffn_hidden_size")
             self.shared_experts = GroupedExperts(1, hidden_size, num_shared_experts * width,
-                                                 activation=self.experts.activation)
+                                                 activation=self.experts.activation or "gelu")
         if args.uses_expert_bias or aux_loss_scope == "global_batch":
             self.balance = ExpertBalance(num_experts, num_prototypes, expert_bias_update_rate,
                                          global_batch=aux_loss_scope == "global_batch")
         else:
             self.balance = None
         self.last_stats: Optional[RoutingStats] = None
+        # DeepSpeed's keys (ds_layout.py) for a layer built like DeepSpeed's, and once bound to its engine
+        # (set_deepspeed_parallelism), so that engine.save_checkpoint/load_checkpoint work; else the stacked keys.
+        self.state_dict_layout = "deepspeed" if expert is not None else "stacked"
+        self._register_state_dict_hook(ds_layout.to_deepspeed_keys)
+        self._register_load_state_dict_pre_hook(ds_layout.from_deepspeed_keys, with_module=True)
         logger.info("MoE layer: %d experts (%d local), %d prototype(s), top-%d per prototype, %s", num_experts,
                     args.num_local_experts, num_prototypes, k,
                     "dropless" if args.is_dropless else f"capacity factor {capacity_factor}")
@@ -447,6 +470,8 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
         """
         from deepspeed.utils import groups
 
+        if getattr(self, "zero_stage", None) != 3:  # ZeRO-3 layers keep their stacked keys (moe_proto.checkpoint)
+            self.state_dict_layout = "deepspeed"  # what DeepSpeed's save_checkpoint/load_checkpoint split per expert
         if self.expert_group_name not in groups._get_expert_parallel_group_dict():
             logger.info("creating DeepSpeed expert-parallel groups %s", self.expert_group_name)
             groups._create_expert_and_data_parallel(

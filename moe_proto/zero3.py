@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .experts import GroupedExperts
 from .layer import MoE
 
 try:  # the engine's isinstance check for layers it allows under ZeRO-3
@@ -91,8 +92,10 @@ class ZeRO3MoE(_AutoEPMoELayer):
             # zero.Init partitions over all ranks; the engine (_resolve_zero3_param_placement) would refuse it later.
             raise ValueError("ZeRO3MoE built inside deepspeed.zero.Init: its experts must be partitioned over their "
                              "expert-data-parallel group, which the engine does; build the model outside zero.Init")
+        _refuse_module_experts(self)
         self.ep_group_name = self.expert_group_name  # the name AutoEP's layer and the engine's EP code use
         self.zero_stage = 3
+        self.state_dict_layout = "stacked"  # DeepSpeed's save splits only ZeRO 0-2 layers; moe_proto.checkpoint here
         for param in self.parameters():
             param.ds_zero_placement_family = REPLICATED_PLACEMENT_FAMILY
         for param in self.experts.parameters():
@@ -135,9 +138,17 @@ def to_zero3(layer: MoE) -> "ZeRO3MoE":
         return layer
     if type(layer) is not MoE:
         raise TypeError(f"to_zero3 converts moe_proto.MoE layers, got {type(layer).__name__}")
+    _refuse_module_experts(layer)
     layer.__class__ = ZeRO3MoE  # the stages are MoE's own functions (see _share_members); only markers differ
     layer._mark_for_zero3()
     return layer
+
+
+def _refuse_module_experts(layer: Any) -> None:
+    if not isinstance(layer.experts, GroupedExperts):
+        raise ValueError(f"the expert module takes the per-expert path ({type(layer.experts).__name__}); the "
+                         "ZeRO-3 layer supports stacked experts only (Linear -> GELU/ReLU/SiLU -> Linear, or "
+                         "expert=None with ffn_hidden_size): use ZeRO stage 0-2 for this expert module")
 
 
 def _share_members(target: type, source: type) -> None:

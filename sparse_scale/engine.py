@@ -122,11 +122,13 @@ class SparseEngine:
                                               **kwargs)
         _refuse_options("save_checkpoint", kwargs)
         from moe_proto.checkpoint import save_checkpoint as save_moe
+        from moe_proto.ds_layout import stacked_layout
 
         tag = tag or f"global_step{self.inner.global_steps}"
         save_moe(self.inner, save_dir, tag)  # collective; creates <save_dir>/<tag>
         params = {name for name, _ in self.module.named_parameters()}
-        state = {k: v for k, v in self.module.state_dict().items() if k not in params}
+        with stacked_layout(self.module):  # the layers' own keys: the experts are in moe_proto's files
+            state = {k: v for k, v in self.module.state_dict().items() if k not in params}
         torch.save({"module_state": state, "client_state": client_state},
                    Path(save_dir) / tag / MODULE_STATE_FILE.format(rank=_rank()))
         if dist.is_initialized():

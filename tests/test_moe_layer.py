@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_proto import MoE, GroupedExperts, grouped_matmul, grouped_mm_supported
+from moe_proto.module_experts import ModuleExperts
 
 D, FFN = 16, 32
 
@@ -245,8 +246,9 @@ def test_bad_expert_arguments():
     mlp = nn.Sequential(nn.Linear(D, FFN), nn.GELU(), nn.Linear(FFN, D))
     with pytest.raises(ValueError, match="leave them None"):
         MoE(D, mlp, num_experts=4, ffn_hidden_size=FFN)
-    with pytest.raises(ValueError, match="cannot stack expert module"):
-        MoE(D, nn.Sequential(nn.Linear(D, FFN), nn.Tanh(), nn.Linear(FFN, D)), num_experts=4)
+    # an FFN the stacked path does not know takes the per-expert path (tests/test_moe_any_expert.py)
+    assert isinstance(MoE(D, nn.Sequential(nn.Linear(D, FFN), nn.Tanh(), nn.Linear(FFN, D)), num_experts=4).experts,
+                      ModuleExperts)
     with pytest.raises(ValueError, match="works on width"):
         MoE(D + 4, mlp, num_experts=4)
 
@@ -258,8 +260,12 @@ def test_bad_expert_arguments():
         def forward(self, x):
             return x + self.fc2(self.act(self.fc1(x)))
 
-    with pytest.raises(ValueError, match="forward is not Linear"):
-        MoE(D, Skip(), num_experts=4)
+    with pytest.raises(ValueError, match="forward is not Linear"):  # the stacked copy's own check
+        GroupedExperts.from_module(Skip(), 4)
+    skip = MoE(D, Skip(), num_experts=4)  # so the layer deep-copies it: the skip connection is kept
+    rows = torch.randn(3, D)
+    assert torch.allclose(skip.experts(rows, torch.tensor([3, 0, 0, 0])), Skip.forward(
+        skip.experts.deepspeed_experts[0], rows))
     layer = MoE(D, num_experts=4, ffn_hidden_size=FFN, k=2, use_rts=False, top2_2nd_expert_sampling=False,
                 deepspeed_compat=True)
     with pytest.raises(ValueError, match="ignores used_token"):

@@ -1,0 +1,139 @@
+"""Any expert module: the per-expert path (DeepSpeed-style deep copies) against DeepSpeed's layer and across ep sizes.
+
+A gated block with a norm inside cannot be stacked, so the layer deep-copies it per expert; its
+routing, capacity and outputs must equal DeepSpeed's layer with the same module and weights
+(deepspeed_compat top-1/top-2), prototypes and expert parallelism must work as on the stacked
+path, and DeepSpeed's engine.save_checkpoint must split it per expert.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_proto import MoE
+from moe_proto.checkpoint import expert_params
+from moe_proto.ds_layout import EXPERTS_PREFIX
+from moe_proto.experts import GroupedExperts
+from moe_proto.module_experts import ModuleExperts
+from moe_proto.zero3 import to_zero3
+from sparse_scale.multiproc import run_distributed
+
+D, E = 8, 4
+
+
+class GatedBlock(nn.Module):
+    """LayerNorm -> SwiGLU: nothing the stacked path recognises."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.gate_proj = nn.Linear(D, 16)
+        self.up_proj = nn.Linear(D, 16)
+        self.down_proj = nn.Linear(16, D)
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _perturb_experts(experts):
+    with torch.no_grad():
+        for i, expert in enumerate(experts):
+            for p in expert.parameters():
+                p.add_(0.1 * (i + 1) * torch.randn_like(p))
+
+
+def test_paths_are_chosen_by_the_module_and_logged(caplog):
+    caplog.set_level("INFO", logger="moe_proto.layer")
+    ffn = MoE(D, nn.Sequential(nn.Linear(D, 16), nn.GELU(), nn.Linear(16, D)), num_experts=E)
+    assert isinstance(ffn.experts, GroupedExperts)
+    for module in (GatedBlock(), nn.Linear(D, D), nn.Sequential(nn.Linear(D, 16), nn.Linear(16, D))):
+        assert isinstance(MoE(D, module, num_experts=E).experts, ModuleExperts)
+    assert "takes the stacked path" in caplog.text and "GatedBlock takes the per-expert path" in caplog.text
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_per_expert_path_equals_deepspeeds_layer(k):
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    torch.manual_seed(0)
+    kw = dict(num_experts=E, k=k, use_rts=False, capacity_factor=1.0, min_capacity=2,
+              top2_2nd_expert_sampling=False)
+    theirs = DeepSpeedMoE(D, GatedBlock(), **kw)
+    _perturb_experts(theirs.deepspeed_moe.experts.deepspeed_experts)
+    ours = MoE(D, GatedBlock(), deepspeed_compat=True, **kw)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 12, D)
+    for mode in ("train", "eval"):  # noise is off: both modes are deterministic
+        getattr(theirs, mode)(), getattr(ours, mode)()
+        (a, aux_a, counts_a), (b, aux_b, counts_b) = theirs(x), ours(x)
+        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(aux_a, aux_b) and torch.equal(counts_a, counts_b)
+    (theirs(x)[0].square().sum()).backward()
+    (ours(x)[0].square().sum()).backward()
+    for (name, p), (_, q) in zip(theirs.deepspeed_moe.experts.named_parameters(), ours.experts.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+
+
+def test_per_expert_layers_are_refused_where_only_stacked_experts_work():
+    model = nn.Sequential(MoE(D, GatedBlock(), num_experts=E))
+    with pytest.raises(ValueError, match="per-expert modules .*DeepSpeed's engine.save_checkpoint"):
+        expert_params(model)
+    layer = model[0]
+    with pytest.raises(ValueError, match="ZeRO-3 layer supports stacked experts only"):
+        to_zero3(layer)
+    assert type(layer) is MoE  # left as it was
+    bad = MoE(D, nn.Linear(D, 2 * D), num_experts=E)
+    with pytest.raises(ValueError, match=r"maps rows \(\d+, 8\) to \(\d+, 16\)"):
+        bad(torch.randn(6, D))
+
+
+def ep_run(rank, world_size, root):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    kw = dict(num_experts=E, k=1, num_prototypes=2, use_rts=False, capacity_factor=2.0, min_capacity=0)
+    torch.manual_seed(0)
+    full = MoE(D, GatedBlock(), **kw)
+    _perturb_experts(full.experts.deepspeed_experts)
+    layer = MoE(D, GatedBlock(), ep_size=2, **kw)
+    layer.set_deepspeed_parallelism()
+    local = E // 2
+    state = {}
+    for key, value in full.state_dict().items():  # this rank's experts, renumbered local
+        if key.startswith(EXPERTS_PREFIX):
+            g, rest = key[len(EXPERTS_PREFIX):].split(".", 1)
+            if rank * local <= int(g) < (rank + 1) * local:
+                state[f"{EXPERTS_PREFIX}{int(g) - rank * local}.{rest}"] = value
+        else:
+            state[key] = value
+    layer.load_state_dict(state)
+    inputs = [torch.randn(10, D, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    out = layer(inputs[rank])[0]
+    out.square().sum().backward()
+    ref_outs = []
+    for x in inputs:  # the reference: every rank's tokens through the one-process layer, gradients summed
+        y = full(x)[0]
+        y.square().sum().backward()
+        ref_outs.append(y.detach())
+    grads_match = all(
+        torch.allclose(p.grad, full.experts.deepspeed_experts[rank * local + i].get_parameter(n).grad, atol=1e-5)
+        for i in range(local) for n, p in layer.experts.deepspeed_experts[i].named_parameters())
+    # DeepSpeed's engine splits the per-expert layer into its expert files (ZeRO 1, ep 2).
+    model = nn.Sequential(nn.Linear(D, D), MoE(D, GatedBlock(), ep_size=2, **kw))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config={
+        "train_micro_batch_size_per_gpu": 10, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 1}, "steps_per_print": 10**6})
+    engine.save_checkpoint(root, tag="t")
+    engine.load_checkpoint(root, tag="t")
+    return {"out": torch.allclose(out, ref_outs[rank], atol=1e-5), "grads": grads_match,
+            "files": sorted(f for f in os.listdir(os.path.join(root, "t")) if f.startswith("layer_"))}
+
+
+@pytest.mark.soak
+def test_per_expert_path_under_expert_parallelism_and_deepspeeds_checkpoint(tmp_path):
+    results = run_distributed(ep_run, 2, args=(str(tmp_path),), timeout_s=50)
+    for r in results:
+        assert r["out"] and r["grads"]
+        assert r["files"] == [f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(E)]
