@@ -62,8 +62,10 @@ class MoEArgs(RoutingOptions):
         drop_tokens: False is dropless (same as ``dropless=True``).
         use_rts: random token selection for capacity drops, training only (eval uses ``drop_policy``).
         top2_2nd_expert_sampling: Gumbel-sample choices after the first (k >= 2), training only.
-        use_tutel, enable_expert_tensor_parallelism: accepted for signature compatibility;
-            only False is supported.
+        use_tutel: True logs a warning and falls back (as DeepSpeed does without Tutel installed).
+        enable_expert_tensor_parallelism: as in DeepSpeed, it matters only with a tensor-parallel
+            ``groups.mpu``; without one the layer trains as with False. With a tensor-parallel mpu the
+            layer refuses it when bound (``MoE.set_deepspeed_parallelism``).
 
     Attributes (this package's):
         num_prototypes: expert prototyping groups (P); 1 is plain top-k.
@@ -173,12 +175,9 @@ class MoEArgs(RoutingOptions):
             raise ValueError(f"z_loss_coef must be a number >= 0, got {self.z_loss_coef!r}")
 
     def _check_unsupported(self) -> None:
-        if self.use_tutel:
-            raise ValueError("use_tutel=True is not supported: moe_proto already dispatches by index "
-                             "(sort + gather); set use_tutel=False")
-        if self.enable_expert_tensor_parallelism:
-            raise ValueError("enable_expert_tensor_parallelism=True is not supported by moe_proto.MoE; "
-                             "set it to False")
+        for name in ("use_tutel", "enable_expert_tensor_parallelism"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def uses_expert_bias(self) -> bool:

@@ -150,6 +150,27 @@ def _experts_from_module(expert: nn.Module, args: MoEArgs) -> nn.Module:
     return experts
 
 
+def _check_tensor_parallelism(layer: "MoE", groups: object) -> None:
+    """``enable_expert_tensor_parallelism``: what DeepSpeed does with it, or a refusal on every rank.
+
+    DeepSpeed's layer reads the flag only with a tensor-parallel ``groups.mpu`` (Megatron-style
+    non-expert layers): it then builds expert groups over the tensor-parallel ranks, drops the
+    duplicate tokens of the tensor-parallel ranks before the all-to-all and gathers them after.
+    Without an mpu (or with tensor-parallel size 1) the flag changes nothing, here as there.
+    """
+    mpu = getattr(groups, "mpu", None)
+    if not layer.enable_expert_tensor_parallelism or mpu is None:
+        return
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+    tp = bwc_tensor_model_parallel_world_size(mpu)
+    if tp > 1:  # the mpu is the same object on every rank: every rank raises here
+        raise ValueError(f"MoE layer with enable_expert_tensor_parallelism=True under a tensor-parallel mpu (size "
+                         f"{tp}): moe_proto.MoE does not drop and re-gather the tensor-parallel ranks' duplicate "
+                         "tokens nor shard its experts over them as DeepSpeed's MOELayer does; use "
+                         "deepspeed.moe.layer.MoE for expert tensor parallelism, or set the flag False")
+
+
 class _MoEFamily(type):
     """Metaclass of :class:`MoE`: ``isinstance(x, MoE)`` also holds for :class:`moe_proto.zero3.ZeRO3MoE`.
 
@@ -259,6 +280,9 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
                             aux_loss_scope=aux_loss_scope, num_shared_experts=num_shared_experts,
                             shared_expert_ffn_hidden_size=shared_expert_ffn_hidden_size)
         args = self.args
+        if use_tutel:
+            logger.warning("MoE layer: use_tutel=True: moe_proto dispatches by index (sort + gather) and does not "
+                           "use Tutel; proceeding without it (DeepSpeed does the same when Tutel is not installed)")
         if ep_fixed_splits and args.is_dropless:
             raise ValueError("ep_fixed_splits=True pads every expert to its capacity; dropless routing has no "
                              "capacity: leave ep_fixed_splits False")
@@ -470,6 +494,7 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
         """
         from deepspeed.utils import groups
 
+        _check_tensor_parallelism(self, groups)
         if getattr(self, "zero_stage", None) != 3:  # ZeRO-3 layers keep their stacked keys (moe_proto.checkpoint)
             self.state_dict_layout = "deepspeed"  # what DeepSpeed's save_checkpoint/load_checkpoint split per expert
         if self.expert_group_name not in groups._get_expert_parallel_group_dict():

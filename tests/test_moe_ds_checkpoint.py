@@ -1,12 +1,12 @@
 """DeepSpeed's own engine.save_checkpoint / load_checkpoint with moe_proto.MoE, and DeepSpeed's state-dict keys.
 
 One 4-rank launch (gloo, CPU) saves and loads across layers, ep sizes and ZeRO stages:
-DeepSpeed's layer at ep 2 (ZeRO 1) -> ours at ep 4 (ZeRO 0); ours at ep 2 (ZeRO 2, the
-save that hung before: two ranks write expert files, two do not) -> DeepSpeed's at ep 1
-(ZeRO 0); ours built without an expert module (stacked keys until deepspeed.initialize
-binds it) at ep 2 resumes exactly under ZeRO 1. Each load is checked against the expert
-files DeepSpeed wrote and by the eval output on one batch, which must equal the saving
-model's.
+DeepSpeed's layer at ep 2 (ZeRO 1) -> ours at ep 4 (ZeRO 0), both PR-MoE (use_residual);
+ours at ep 2 (ZeRO 2, the save that hung before: two ranks write expert files, two do not)
+-> DeepSpeed's at ep 1 (ZeRO 0); ours built without an expert module (stacked keys until
+deepspeed.initialize binds it) at ep 2 resumes exactly under ZeRO 1. Each load is checked
+against the expert files DeepSpeed wrote and by the eval output on one batch, which must
+equal the saving model's.
 """
 import os
 
@@ -33,11 +33,11 @@ class Net(nn.Module):
         self.inp = nn.Linear(D, D)
         kw = dict(num_experts=E, ep_size=ep_size, k=1, min_capacity=0, use_rts=False, capacity_factor=2.0,
                   eval_capacity_factor=2.0)
-        if layer == "deepspeed":
+        if layer == "deepspeed":  # both with PR-MoE's residual MLP (its keys: mlp.*, coefficient.*)
             from deepspeed.moe.layer import MoE as DeepSpeedMoE
-            self.moe = DeepSpeedMoE(D, _mlp(), **kw)
+            self.moe = DeepSpeedMoE(D, _mlp(), use_residual=True, **kw)
         elif layer == "ours":
-            self.moe = MoE(D, _mlp(), deepspeed_compat=True, **kw)
+            self.moe = MoE(D, _mlp(), deepspeed_compat=True, use_residual=True, **kw)
         else:  # ours, experts built by the layer (stacked keys until bound to the engine)
             self.moe = MoE(D, None, ffn_hidden_size=FFN, **kw)
         self.head = nn.Linear(D, 1)

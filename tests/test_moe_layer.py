@@ -215,8 +215,7 @@ def test_residual_moe_mixes_dense_mlp():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_experts=6, ep_size=4), "divisible by ep_size"),
     (dict(ep_size=2, dropless=True, ep_fixed_splits=True), "leave ep_fixed_splits False"),
-    (dict(use_tutel=True), "use_tutel"),
-    (dict(enable_expert_tensor_parallelism=True), "enable_expert_tensor_parallelism"),
+    (dict(use_tutel=1), "use_tutel must be True or False"),
     (dict(noisy_gate_policy="Gumbel"), "noisy_gate_policy='Gumbel'"),
     (dict(k=0), "k must be"),
     (dict(num_experts=8, num_prototypes=3), "num_prototypes=3"),
