@@ -553,7 +553,9 @@ class GroupedExperts(nn.Module):
         DeepSpeed's ``Experts`` deep-copies the module, so every expert starts from the same
         weights; this copies its weights into every row of the stacks likewise. Accepted:
         a module whose leaf layers are ``Linear(d, ffn)``, one of GELU (erf or tanh), ReLU,
-        SiLU, and ``Linear(ffn, d)`` (``Identity`` and ``Dropout(p=0)`` are ignored). The
+        SiLU, and ``Linear(ffn, d)``, or a gated one: two ``Linear(d, ffn)`` (gate and up, in
+        either order), ``Linear(ffn, d)`` and optionally a ``SiLU`` leaf, computing
+        ``down(silu(gate(x)) * up(x))`` (``Identity`` and ``Dropout(p=0)`` are ignored). The
         copy is checked against the module's own forward on a probe batch.
 
         Example::
@@ -561,22 +563,32 @@ class GroupedExperts(nn.Module):
             mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
             experts = GroupedExperts.from_module(mlp, num_experts=8, expert_group_name="ep_size_1")
         """
-        fc1, activation, fc2 = _parse_ffn(expert)
-        if (fc1.bias is None) != (fc2.bias is None):
-            raise ValueError("expert module: both Linear layers must have a bias or neither")
-        stacked = cls(num_experts, fc1.in_features, fc1.out_features, activation=activation,
-                      bias=fc1.bias is not None, expert_group_name=expert_group_name,
-                      device=fc1.weight.device, dtype=fc1.weight.dtype)
-        with torch.no_grad():
-            stacked.w1.copy_(fc1.weight.t().expand_as(stacked.w1))
-            stacked.w2.copy_(fc2.weight.t().expand_as(stacked.w2))
-            if fc1.bias is not None:
-                stacked.b1.copy_(fc1.bias.expand_as(stacked.b1))
-                stacked.b2.copy_(fc2.bias.expand_as(stacked.b2))
+        error: Optional[ValueError] = None
+        for fc1, fc3, activation, fc2 in _parse_ffn(expert):
+            try:
+                return cls._copy_of(expert, num_experts, expert_group_name, fc1, fc3, activation, fc2)
+            except ValueError as why:  # a gated guess whose forward differs: try the next reading
+                error = why
+        raise error
+
+    @classmethod
+    def _copy_of(cls, expert: nn.Module, num_experts: int, expert_group_name: Optional[str], fc1: nn.Linear,
+                 fc3: Optional[nn.Linear], activation: str, fc2: nn.Linear) -> "GroupedExperts":
+        linears = {"1": fc1, "2": fc2, **({"3": fc3} if fc3 is not None else {})}
+        if len({lin.bias is None for lin in linears.values()}) != 1:
+            raise ValueError("expert module: all its Linear layers must have a bias or none")
+        bias = fc1.bias is not None
+        stacked = cls(num_experts, fc1.in_features, fc1.out_features, activation=activation, bias=bias,
+                      expert_group_name=expert_group_name, device=fc1.weight.device, dtype=fc1.weight.dtype)
         names = {id(m): n for n, m in expert.named_modules()}
-        stacked.expert_keys = {"w1": f"{names[id(fc1)]}.weight", "w2": f"{names[id(fc2)]}.weight"}
-        if fc1.bias is not None:
-            stacked.expert_keys.update(b1=f"{names[id(fc1)]}.bias", b2=f"{names[id(fc2)]}.bias")
+        stacked.expert_keys = {}
+        with torch.no_grad():
+            for i, lin in linears.items():
+                getattr(stacked, f"w{i}").copy_(lin.weight.t().expand_as(getattr(stacked, f"w{i}")))
+                stacked.expert_keys[f"w{i}"] = f"{names[id(lin)]}.weight"
+                if bias:
+                    getattr(stacked, f"b{i}").copy_(lin.bias.expand_as(getattr(stacked, f"b{i}")))
+                    stacked.expert_keys[f"b{i}"] = f"{names[id(lin)]}.bias"
         stacked._check_matches(expert)
         return stacked
 
@@ -597,7 +609,8 @@ class GroupedExperts(nn.Module):
                              "Linear as its layers suggest; pass expert=None with ffn_hidden_size instead")
 
 
-def _parse_ffn(expert: nn.Module) -> Tuple[nn.Linear, str, nn.Linear]:
+def _parse_ffn(expert: nn.Module) -> List[Tuple[nn.Linear, Optional[nn.Linear], str, nn.Linear]]:
+    """The readings ``(fc1, fc3 or None, activation, fc2)`` of an expert module's leaves, to check in order."""
     leaves = [m for m in expert.modules() if next(m.children(), None) is None]
     leaves = [m for m in leaves if not isinstance(m, nn.Identity) and not (isinstance(m, nn.Dropout) and m.p == 0)]
     names = [type(m).__name__ for m in leaves]
@@ -606,10 +619,18 @@ def _parse_ffn(expert: nn.Module) -> Tuple[nn.Linear, str, nn.Linear]:
         activation = _activation_name(act)
         if (activation is not None and fc2.in_features == fc1.out_features
                 and fc2.out_features == fc1.in_features):
-            return fc1, activation, fc2
+            return [(fc1, None, activation, fc2)]
+    linears = [m for m in leaves if isinstance(m, nn.Linear)]
+    others = [m for m in leaves if not isinstance(m, nn.Linear)]
+    if len(linears) == 3 and all(isinstance(m, nn.SiLU) for m in others) and len(others) <= 1:
+        shapes = [(m.in_features, m.out_features) for m in linears]
+        for i, (ffn, d) in enumerate(shapes):  # the down projection: one Linear(ffn, d) beside two Linear(d, ffn)
+            ins = [m for j, m in enumerate(linears) if j != i and shapes[j] == (d, ffn)]
+            if d != ffn and len(ins) == 2:
+                return [(ins[0], ins[1], "swiglu", linears[i]), (ins[1], ins[0], "swiglu", linears[i])]
     raise ValueError(f"cannot stack expert module {type(expert).__name__} with layers {names}: supported is "
-                     "Linear(d, ffn) -> GELU/ReLU/SiLU -> Linear(ffn, d); otherwise pass expert=None with "
-                     "ffn_hidden_size and activation")
+                     "Linear(d, ffn) -> GELU/ReLU/SiLU -> Linear(ffn, d), or a SwiGLU (two Linear(d, ffn), "
+                     "Linear(ffn, d)); otherwise pass expert=None with ffn_hidden_size and activation")
 
 
 def _activation_name(module: nn.Module) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""Any expert module: the per-expert path (DeepSpeed-style deep copies) against DeepSpeed's layer and across ep sizes.
+"""Any expert module: the stacked path for FFNs (gated too), the per-expert path (DeepSpeed-style deep copies)
+for the rest, each against DeepSpeed's layer, and the per-expert path across ep sizes.
 
 A gated block with a norm inside cannot be stacked, so the layer deep-copies it per expert; its
 routing, capacity and outputs must equal DeepSpeed's layer with the same module and weights
@@ -38,6 +39,22 @@ class GatedBlock(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SwiGLU(nn.Module):
+    """A gated FFN the stacked path copies; ``up_first`` registers up before gate (the other reading)."""
+
+    def __init__(self, up_first=False, bias=True):
+        super().__init__()
+        if up_first:
+            self.up_proj = nn.Linear(D, 16, bias=bias)
+        self.gate_proj = nn.Linear(D, 16, bias=bias)
+        if not up_first:
+            self.up_proj = nn.Linear(D, 16, bias=bias)
+        self.down_proj = nn.Linear(16, D, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def _perturb_experts(experts):
     with torch.no_grad():
         for i, expert in enumerate(experts):
@@ -52,6 +69,24 @@ def test_paths_are_chosen_by_the_module_and_logged(caplog):
     for module in (GatedBlock(), nn.Linear(D, D), nn.Sequential(nn.Linear(D, 16), nn.Linear(16, D))):
         assert isinstance(MoE(D, module, num_experts=E).experts, ModuleExperts)
     assert "takes the stacked path" in caplog.text and "GatedBlock takes the per-expert path" in caplog.text
+
+
+@pytest.mark.parametrize("up_first,bias", [(False, True), (True, False)])
+def test_gated_ffns_take_the_stacked_path_and_equal_deepspeeds_layer(up_first, bias):
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    torch.manual_seed(0)
+    kw = dict(num_experts=E, k=2, use_rts=False, top2_2nd_expert_sampling=False, min_capacity=2)
+    theirs = DeepSpeedMoE(D, SwiGLU(up_first, bias), **kw)
+    _perturb_experts(theirs.deepspeed_moe.experts.deepspeed_experts)
+    ours = MoE(D, SwiGLU(up_first, bias), deepspeed_compat=True, **kw)
+    assert isinstance(ours.experts, GroupedExperts) and ours.experts.activation == "swiglu"
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 10, D)
+    assert torch.allclose(ours(x)[0], theirs(x)[0], atol=1e-5)
+    for key, value in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value), key
 
 
 @pytest.mark.parametrize("k", [1, 2])
