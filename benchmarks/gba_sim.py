@@ -35,6 +35,7 @@ import dataclasses
 import heapq
 import math
 import random
+import statistics
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -433,6 +434,165 @@ def format_validation(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------- the straggler detector alone
+@dataclasses.dataclass(frozen=True)
+class Contention:
+    """CPU-contention noise of a shared machine: bursts in which other processes take part of a worker's core.
+
+    Each step a burst starts on a worker with probability ``rate`` (a share ``shared`` of them hit every
+    worker at once: a machine-wide load), lasts a geometric number of steps of mean ``mean_steps`` and
+    multiplies the worker's step time by a factor drawn uniformly in [``low``, ``high``] for its length.
+    The defaults, with a jitter sigma of 0.35, mimic a recorded run (``benchmarks/gba_detector_trace.py``: 2
+    workers + 1 server and two CPU-bound processes on the 2-core machine): the quantiles 5/25/50/75/95% of
+    the per-step ratio of the two workers' times are 0.41/0.70/0.99/1.40/2.37 simulated against
+    0.30/0.69/0.94/1.37/2.16 recorded, and the old rule (``confirm_steps`` 1) switches 4.5 times per 1,000
+    steps simulated, 7.5 recorded (3.3 in the issue's rec_system_cpu run).
+
+    Example::
+
+        trace = detector_trace(2, 1000, random.Random(0), sigma=0.1, contention=Contention())
+    """
+
+    rate: float = 0.03
+    mean_steps: float = 6.0
+    low: float = 1.3
+    high: float = 2.5
+    shared: float = 0.5
+
+
+def detector_trace(workers: int, steps: int, rng: random.Random, sigma: float = 0.35,
+                   contention: Optional[Contention] = None, straggler: Optional[tuple] = None,
+                   step_s: float = 0.05) -> List[List[float]]:
+    """Per-step rows of per-worker step times: lognormal jitter, contention bursts, and an optional straggler.
+
+    ``straggler`` is ``(rank, factor, start, end)``: that worker's times are ``factor`` x for steps [start, end).
+    """
+    burst_left, burst_factor = [0] * workers, [1.0] * workers
+    rows = []
+    for step in range(steps):
+        if contention is not None:
+            if rng.random() < contention.rate * contention.shared:  # machine-wide: every worker at once
+                length, factor = 1 + int(rng.expovariate(1.0 / contention.mean_steps)), rng.uniform(contention.low, contention.high)
+                for w in range(workers):
+                    burst_left[w], burst_factor[w] = max(burst_left[w], length), factor
+            for w in range(workers):
+                if burst_left[w] == 0 and rng.random() < contention.rate * (1 - contention.shared):
+                    burst_left[w] = 1 + int(rng.expovariate(1.0 / contention.mean_steps))
+                    burst_factor[w] = rng.uniform(contention.low, contention.high)
+        row = []
+        for w in range(workers):
+            t = step_s * math.exp(rng.gauss(0.0, sigma))
+            if burst_left[w] > 0:
+                t *= burst_factor[w]
+                burst_left[w] -= 1
+            if straggler is not None and w == straggler[0] and straggler[2] <= step < straggler[3]:
+                t *= straggler[1]
+            row.append(t)
+        rows.append(row)
+    return rows
+
+
+def detector_switches(trace: Sequence[Sequence[float]], **params) -> List[tuple]:
+    """Drive auto mode's detector over ``trace`` as the engine does; returns ``(step, mode, slow)`` per switch.
+
+    Like ``phases/auto.py``, a switch starts a new detector in the new mode that carries the slow workers.
+    """
+    workers = len(trace[0])
+    det = StragglerDetector(workers, mode="sync", **params)
+    out = []
+    for step, row in enumerate(trace):
+        d = det.observe(row)
+        if d.switched:
+            out.append((step, d.mode, d.slow))
+            det = StragglerDetector(workers, mode=d.mode, slow=d.slow, **params)
+    return out
+
+
+DETECTOR_GRID = (  # (slow_ratio, recover_ratio, window, min_dwell_steps, confirm_steps); confirm 1: the old rule
+    (1.5, 1.2, 8, 20, 1), (1.5, 1.2, 8, 20, None), (1.5, 1.2, 4, 20, None), (1.5, 1.2, 16, 20, None),
+    (2.0, 1.2, 8, 20, None), (1.3, 1.1, 8, 20, None), (1.5, 1.2, 8, 40, None),
+)
+
+
+def replayed_trace(recorded: Sequence[Sequence[float]], steps: int, rng: random.Random,
+                   straggler: Optional[tuple] = None) -> List[List[float]]:
+    """``steps`` rows cut from a recorded trace at a random offset (circular), workers in random order,
+    with an optional straggler ``(rank, factor, start, end)`` multiplied in."""
+    order = list(range(len(recorded[0])))
+    rng.shuffle(order)
+    start = rng.randrange(len(recorded))
+    rows = []
+    for step in range(steps):
+        row = [recorded[(start + step) % len(recorded)][w] for w in order]
+        if straggler is not None and straggler[2] <= step < straggler[3]:
+            row[straggler[0]] *= straggler[1]
+        rows.append(row)
+    return rows
+
+
+def detector_table(grid: Sequence[tuple] = DETECTOR_GRID, seeds: int = 20, steps: int = 1000, workers: int = 2,
+                   sigma: float = 0.35, contention: Optional[Contention] = Contention(),
+                   recorded: Optional[Sequence[Sequence[float]]] = None) -> List[dict]:
+    """False switches per 1,000 steps without a straggler, and the delays of 2x and 4x stragglers, per setting.
+
+    The noise is simulated (``sigma``, ``contention``) or, with ``recorded`` rows, cut from a recorded
+    trace. Straggler runs: the last worker is slow for steps [200, 500) of 700 under the same noise; delay
+    is steps from the onset to the switch to gba naming it (missed: none in the window), back is steps
+    from the end to the switch back to sync, both medians over the seeds; extra counts every switch
+    beyond that one round trip.
+    """
+    if recorded is not None:
+        workers = len(recorded[0])
+
+    def trace(seed: int, n: int, straggler: Optional[tuple] = None) -> List[List[float]]:
+        if recorded is not None:
+            return replayed_trace(recorded, n, random.Random(seed), straggler)
+        return detector_trace(workers, n, random.Random(seed), sigma, contention, straggler)
+
+    rows = []
+    for slow_ratio, recover_ratio, window, dwell, confirm in grid:
+        params = dict(slow_ratio=slow_ratio, recover_ratio=recover_ratio, window=window, min_dwell_steps=dwell,
+                      confirm_steps=confirm)
+        false = sum(len(detector_switches(trace(seed, steps), **params)) for seed in range(seeds))
+        row = {"slow_ratio": slow_ratio, "recover_ratio": recover_ratio, "window": window, "min_dwell_steps": dwell,
+               "confirm_steps": window if confirm is None else confirm,
+               "false_per_1000": 1000.0 * false / (seeds * steps)}
+        for factor in (2.0, 4.0):
+            delays, backs, missed, extra = [], [], 0, 0
+            rank = workers - 1
+            for seed in range(seeds):
+                sw = detector_switches(trace(10_000 + seed, 700, (rank, factor, 200, 500)), **params)
+                hit = [s for s in sw if s[1] == "gba" and 200 <= s[0] < 500 and rank in s[2]]
+                if not hit:
+                    missed += 1
+                    continue
+                delays.append(hit[0][0] - 200)
+                back = [s for s in sw if s[1] == "sync" and s[0] > hit[0][0]]
+                if back:
+                    backs.append(back[0][0] - 500)
+                extra += len(sw) - 2
+            row[f"delay_{factor:g}x"] = statistics.median(delays) if delays else math.nan
+            row[f"back_{factor:g}x"] = statistics.median(backs) if backs else math.nan
+            row[f"missed_{factor:g}x"] = missed
+            row[f"extra_{factor:g}x"] = extra
+        rows.append(row)
+    return rows
+
+
+def format_detector(rows: List[dict], seeds: int, steps: int) -> str:
+    head = ("| slow_ratio | recover_ratio | window | min_dwell_steps | confirm_steps | false switches / 1,000 steps | "
+            "2x: delay / back (missed, extra) | 4x: delay / back (missed, extra) |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        cells = [f"{r['slow_ratio']:g}", f"{r['recover_ratio']:g}", str(r["window"]), str(r["min_dwell_steps"]),
+                 str(r["confirm_steps"]), f"{r['false_per_1000']:.2f}"]
+        for f in ("2", "4"):
+            cells.append(f"{r[f'delay_{f}x']:g} / {r[f'back_{f}x']:g} ({r[f'missed_{f}x']}/{seeds}, "
+                         f"{r[f'extra_{f}x']})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="*", default=[16, 64, 256, 1024])
@@ -447,12 +607,34 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--validate", metavar="OUT", help="run the real 4-worker jobs into OUT and compare")
     p.add_argument("--validate-steps", type=int, default=150)
     p.add_argument("--scenarios", nargs="*", default=["none", "slow"])
+    p.add_argument("--detector", action="store_true", help="the straggler detector alone: false switches under "
+                   "CPU-contention noise and detection delays of 2x and 4x stragglers per setting (2 workers)")
+    p.add_argument("--seeds", type=int, default=20, help="--detector: simulated jobs per setting and case")
+    p.add_argument("--jitter", type=float, default=0.35, help="--detector: log-space sigma of each step time")
+    p.add_argument("--trace", metavar="FILE", help="--detector: replay the noise of a recorded trace "
+                   "(benchmarks/gba_detector_trace.py) instead of simulating it")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
+    if args.detector:
+        steps = max(args.steps, 1000)
+        recorded = None
+        if args.trace:
+            import json
+            from pathlib import Path as _Path
+
+            recorded = json.loads(_Path(args.trace).read_text())["rows"]
+            print(f"noise replayed from {args.trace} ({len(recorded)} recorded steps of {len(recorded[0])} workers)")
+        else:
+            print(f"2 workers, step time sigma {args.jitter:g}, {Contention()}")
+        print(f"{args.seeds} seeds x {steps} steps without a straggler; stragglers slow for steps 200-500 of 700")
+        rows = detector_table(seeds=args.seeds, steps=steps, sigma=args.jitter, recorded=recorded)
+        print(format_detector(rows, args.seeds, steps))
+        print(f"\n({time.perf_counter() - t0:.1f} s)")
+        return 0
     if args.validate:
         print(format_validation(validate(args.validate, args.validate_steps, max(args.seed, 1), args.scenarios)))
         return 0

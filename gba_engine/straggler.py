@@ -7,12 +7,16 @@ step times per step and says which mode ``auto`` should be in.
   (one slow step is noise, not a straggler), and its jitter the **MAD** over that window.
   The reference is the lower median of the workers' medians, so with two workers one
   slow worker cannot drag the reference up to itself.
-* A worker becomes slow when its median exceeds ``slow_ratio x reference`` *and* the gap
-  is significant: below 64 workers larger than 3 scaled MADs of its own jitter; from 64 workers
+* A worker becomes slow when, for ``confirm_steps`` consecutive steps (default: ``window``, so two
+  windows of evidence counting the one that fills the median), its median exceeds
+  ``slow_ratio x reference`` *and* the gap is significant: below 64 workers larger than 3 scaled MADs of its own jitter; from 64 workers
   on, its log-median stands out from the spread of all workers' log-medians by more than
   :func:`peer_sigmas` (N) robust sigmas, a bar that grows with N so that a straggler-free job of
   1,024 workers is not flagged by chance. It recovers only below
-  ``recover_ratio x reference`` (hysteresis: ``recover_ratio < slow_ratio``).
+  ``recover_ratio x reference`` (hysteresis: ``recover_ratio < slow_ratio``) for ``confirm_steps // 2``
+  consecutive steps of its own. The confirmation tells a
+  straggler from CPU contention: a competing process makes one worker's median look 1.5x its peer's for
+  a few steps now and then, a straggler stays slow (``benchmarks/gba_sim.py --detector`` measures both).
 * The suggested mode is ``gba`` while any worker is slow, else ``sync``; a change is
   released only ``min_dwell_steps`` after the previous one (and after the first window
   is full), so the job never flaps between modes.
@@ -85,18 +89,25 @@ class StragglerDetector:
     """
 
     def __init__(self, num_workers: int, slow_ratio: float = 1.5, recover_ratio: float = 1.2, window: int = 8,
-                 min_dwell_steps: int = 20, mode: str = "sync", slow: Iterable[int] = ()) -> None:
+                 min_dwell_steps: int = 20, mode: str = "sync", slow: Iterable[int] = (),
+                 confirm_steps: int | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 1.0 < recover_ratio < slow_ratio:
             raise ValueError(f"need 1 < recover_ratio ({recover_ratio}) < slow_ratio ({slow_ratio})")
         if window < 1 or min_dwell_steps < 0:
             raise ValueError(f"window must be >= 1 and min_dwell_steps >= 0, got {window}, {min_dwell_steps}")
+        if confirm_steps is not None and confirm_steps < 1:
+            raise ValueError(f"confirm_steps must be >= 1 (1: no confirmation), got {confirm_steps}")
         if mode not in ("sync", "gba"):
             raise ValueError(f"mode must be 'sync' or 'gba', got {mode!r}")
         self.num_workers = num_workers
         self.slow_ratio, self.recover_ratio = slow_ratio, recover_ratio
         self.window, self.min_dwell_steps = window, min_dwell_steps
+        self.confirm_steps = window if confirm_steps is None else confirm_steps
+        self.recover_steps = max(1, self.confirm_steps // 2)  # a false recovery costs two switches: confirm it too
+        self._over = [0] * num_workers  # consecutive fresh steps each worker looked slow (confirmation)
+        self._under = [0] * num_workers  # consecutive fresh steps a slow worker looked recovered
         self.mode = mode
         self.step = 0
         self.last_switch_step = 0
@@ -108,7 +119,7 @@ class StragglerDetector:
 
     @classmethod
     def from_config(cls, switch, num_workers: int, mode: str = "sync", slow: Iterable[int] = ()) -> "StragglerDetector":
-        """From a validated ``gba.switch`` block (:class:`gba_engine.config.SwitchConfig`)."""
+        """From a validated ``gba.switch`` block (:class:`gba_engine.config.SwitchConfig`); confirms over ``window``."""
         return cls(num_workers, slow_ratio=switch.slow_ratio, recover_ratio=switch.recover_ratio,
                    window=switch.window, min_dwell_steps=switch.min_dwell_steps, mode=mode, slow=slow)
 
@@ -137,10 +148,21 @@ class StragglerDetector:
                     significant = m - reference > _MAD_SIGMAS * _MAD_TO_SIGMA * mad
                 else:
                     significant = math.log(max(m, 1e-12) / reference) > peer_bar
-                if w not in self.slow and ratios[w] > self.slow_ratio and significant:
-                    self.slow.add(w)
-                elif w in self.slow and ratios[w] < self.recover_ratio:
-                    self.slow.discard(w)
+                fresh = times[w] is not None and not math.isnan(times[w])
+                over = ratios[w] > self.slow_ratio and significant
+                if w not in self.slow and over:
+                    self._over[w] += 1 if fresh else 0
+                    if self._over[w] >= self.confirm_steps:
+                        self.slow.add(w)
+                elif w not in self.slow:
+                    self._over[w] = 0
+                if w in self.slow and ratios[w] < self.recover_ratio:
+                    self._under[w] += 1 if fresh else 0
+                    if self._under[w] >= self.recover_steps:
+                        self.slow.discard(w)
+                        self._over[w] = self._under[w] = 0
+                elif w in self.slow:
+                    self._under[w] = 0
         wanted = "gba" if self.slow else "sync"
         switched = False
         warm = all(len(d) >= self.window for d in self._times) or self.step >= self.window

@@ -78,3 +78,24 @@ def test_the_scale_table_has_every_method_per_size():
     assert [r["method"] for r in rows] == list(sim.METHODS)
     assert all(math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0 for r in rows)
     assert "| 4 | 25% | gba |" in sim.format_scale(rows)
+
+
+def test_detector_study_counts_false_switches_and_delays():
+    # the confirmation removes the contention's false switches that the old rule (confirm_steps 1) makes
+    grid = [(1.5, 1.2, 8, 20, 1), (1.5, 1.2, 8, 20, None)]
+    old, new = sim.detector_table(grid, seeds=4, steps=1000)
+    assert old["false_per_1000"] > 0 and new["false_per_1000"] < old["false_per_1000"]
+    assert new["confirm_steps"] == 8 and new["missed_4x"] < 4 and new["delay_4x"] >= 8
+    quiet = sim.detector_table([(1.5, 1.2, 8, 20, None)], seeds=2, steps=1000, sigma=0.05, contention=None)[0]
+    assert quiet["false_per_1000"] == 0 and quiet["missed_2x"] == 0 and 8 <= quiet["delay_2x"] <= 20
+    assert "| 1.5 | 1.2 | 8 | 20 | 8 |" in sim.format_detector([new], 4, 1000)
+
+
+def test_a_replayed_trace_keeps_the_recorded_rows_and_adds_the_straggler():
+    recorded = [[0.01 * (i + 1), 0.02 * (i + 1)] for i in range(10)]
+    rows = sim.replayed_trace(recorded, 25, random.Random(0), straggler=(1, 3.0, 5, 8))
+    assert len(rows) == 25
+    flat = {round(t, 6) for r in rows for t in r}
+    base = {round(t, 6) for r in recorded for t in r}
+    assert len(flat - base) > 0 and all(r[0] in base or r[1] in base for r in rows)
+    assert sim.detector_table([(1.5, 1.2, 4, 5, None)], seeds=2, steps=100, recorded=recorded)[0]["window"] == 4

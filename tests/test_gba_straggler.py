@@ -21,7 +21,9 @@ def test_flags_a_4x_slow_worker_after_the_window_and_dwell():
     out = _run(det, rows)
     first = next(d for d in out if d.switched)
     assert first.mode == "gba" and first.slow == frozenset({3})
-    assert first.step == 10  # dwell from the start: not before min_dwell_steps
+    # its median is over the bar from step 4 (half a window of times) and confirmed 8 steps later, which is
+    # past min_dwell_steps 10: the dwell from the start holds nothing back here
+    assert first.step == 11
     assert 3.5 < first.ratios[3] < 4.5 and all(0.9 < r < 1.1 for r in first.ratios[:3])
     assert sum(d.switched for d in out) == 1  # no flapping
 
@@ -136,4 +138,38 @@ def test_many_jittery_workers_find_their_few_4x_stragglers_within_a_window():
     out = _run(det, _jittery_rows(1024, 60, seed=3, slow=slow, start=30))
     assert all(not d.slow for d in out[:30])
     first = next(d for d in out if d.slow == slow)
-    assert first.step <= 30 + 8 and out[-1].mode == "gba"
+    assert first.step <= 30 + 2 * 8 and out[-1].mode == "gba"  # half a window to move the median, one to confirm
+
+
+def test_contention_that_passes_before_the_confirmation_makes_no_switch():
+    # a competing process slows worker 1 to 2x for 8 steps: its median (of 8) passes slow_ratio for 7
+    # consecutive steps, fewer than `window`, so it is not a straggler; the old rule (confirm_steps 1) switched
+    rows = [[0.1, 0.1]] * 20 + [[0.1, 0.2]] * 8 + [[0.1, 0.1]] * 30
+    new = _run(StragglerDetector(2, window=8, min_dwell_steps=1), rows)
+    assert not any(d.switched for d in new) and not any(d.slow for d in new)
+    old = _run(StragglerDetector(2, window=8, min_dwell_steps=1, confirm_steps=1), rows)
+    assert [d.mode for d in old if d.switched] == ["gba", "sync"]
+
+
+def test_confirmation_counts_consecutive_fresh_steps_and_a_dip_restarts_it():
+    det = StragglerDetector(2, window=4, min_dwell_steps=1)
+    assert det.confirm_steps == 4 and det.recover_steps == 2
+    # over the bar from step 2 (half a window); a missing time (nan) neither counts nor breaks the streak
+    out = _run(det, [[0.1, 0.4]] * 3 + [[0.1, math.nan]] + [[0.1, 0.4]] * 2)
+    assert not out[-2].slow and out[-1].slow == frozenset({1})
+    # a dip under the bar restarts it (window 1: the median is the last time)
+    det = StragglerDetector(2, window=1, min_dwell_steps=1, confirm_steps=3)
+    out = _run(det, [[0.1, 0.4]] * 2 + [[0.1, 0.1]] * 2 + [[0.1, 0.4]] * 3)
+    assert [bool(d.slow) for d in out] == [False] * 5 + [False, True]
+    with pytest.raises(ValueError, match="confirm_steps"):
+        StragglerDetector(2, confirm_steps=0)
+
+
+def test_recovery_is_confirmed_over_half_the_confirmation():
+    det = StragglerDetector(2, window=2, min_dwell_steps=1, mode="gba", slow={1}, confirm_steps=4)
+    out = _run(det, [[0.1, 0.1]] * 4)
+    # under recover_ratio from step 1 (half a window of times): twice (recover_steps 2) at step 2
+    assert [bool(d.slow) for d in out] == [True, False, False, False]
+    det = StragglerDetector(2, window=1, min_dwell_steps=1, mode="gba", slow={1}, confirm_steps=4)
+    out = _run(det, [[0.1, 0.1], [0.1, 0.4], [0.1, 0.1], [0.1, 0.1]])  # a slow step in between restarts it
+    assert [bool(d.slow) for d in out] == [True, True, True, False]
