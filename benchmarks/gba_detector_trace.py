@@ -13,12 +13,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def spin(stop_at: float) -> None:
