@@ -100,8 +100,9 @@ def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Non
                 raise ValueError(f"load_full_state_dict: {name} is already partitioned by ZeRO-3; call it before "
                                  "deepspeed.initialize, or use load_checkpoint on the engine")
             if name not in full_state:
-                hint = (": the state is in DeepSpeed's layout; take it as `with moe_proto.ds_layout.stacked_layout(full): "
-                        "full.state_dict()`" if any(".deepspeed_experts." in k for k in full_state) else "")
+                hint = (": the state is in DeepSpeed's layout; take it as `with "
+                        "moe_proto.ds_layout.stacked_layout(full): full.state_dict()`"
+                        if any(".deepspeed_experts." in k for k in full_state) else "")
                 raise KeyError(f"parameter {name} is missing from the full state dict{hint}")
             param.copy_(_local_rows(full_state[name], owners.get(name)))
 

@@ -321,7 +321,8 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
             width = shared_expert_ffn_hidden_size or self.experts.ffn_hidden_size
             if width is None:
                 raise ValueError(f"num_shared_experts={num_shared_experts}: the expert module "
-                                 f"{type(expert).__name__} has no FFN width to copy; pass shared_expert_ffn_hidden_size")
+                                 f"{type(expert).__name__} has no FFN width to copy; pass "
+                                 "shared_expert_ffn_hidden_size")
             self.shared_experts = GroupedExperts(1, hidden_size, num_shared_experts * width,
                                                  activation=self.experts.activation or "gelu")
         if args.uses_expert_bias or aux_loss_scope == "global_batch":

@@ -155,14 +155,27 @@ def ep_run(rank, world_size, root):
     grads_match = all(
         torch.allclose(p.grad, full.experts.deepspeed_experts[rank * local + i].get_parameter(n).grad, atol=1e-5)
         for i in range(local) for n, p in layer.experts.deepspeed_experts[i].named_parameters())
-    # DeepSpeed's engine splits the per-expert layer into its expert files (ZeRO 1, ep 2).
+    # DeepSpeed's engine trains the per-expert layer (ZeRO 2, ep 2) and splits it into its expert files.
     model = nn.Sequential(nn.Linear(D, D), MoE(D, GatedBlock(), ep_size=2, **kw))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config={
-        "train_micro_batch_size_per_gpu": 10, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 1}, "steps_per_print": 10**6})
+        "train_micro_batch_size_per_gpu": 10,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 2}, "steps_per_print": 10**6})
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for step in range(2):
+        loss = engine(inputs[rank])[0].square().mean()
+        engine.backward(loss)
+        engine.step()
+    moved = all(not torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
     engine.save_checkpoint(root, tag="t")
-    engine.load_checkpoint(root, tag="t")
-    return {"out": torch.allclose(out, ref_outs[rank], atol=1e-5), "grads": grads_match,
+    trained = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.zero_()
+    engine.load_checkpoint(root, tag="t", load_optimizer_states=False)
+    restored = all(torch.equal(v, trained[k]) for k, v in engine.module.state_dict().items())
+    return {"out": torch.allclose(out, ref_outs[rank], atol=1e-5), "grads": grads_match, "moved": moved,
+            "restored": restored,
             "files": sorted(f for f in os.listdir(os.path.join(root, "t")) if f.startswith("layer_"))}
 
 
@@ -170,5 +183,5 @@ def ep_run(rank, world_size, root):
 def test_per_expert_path_under_expert_parallelism_and_deepspeeds_checkpoint(tmp_path):
     results = run_distributed(ep_run, 2, args=(str(tmp_path),), timeout_s=50)
     for r in results:
-        assert r["out"] and r["grads"]
+        assert r["out"] and r["grads"] and r["moved"] and r["restored"]
         assert r["files"] == [f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(E)]

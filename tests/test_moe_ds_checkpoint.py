@@ -189,3 +189,16 @@ def test_missing_experts_in_deepspeed_keys_are_named():
     del state[f"{EXPERTS_PREFIX}3.0.weight"]
     with pytest.raises(RuntimeError, match=r"deepspeed_experts\.3\.0\.weight \(1 of the layer's 4 local experts"):
         ours.load_state_dict(state)
+
+
+def test_full_state_helpers_name_deepspeeds_layout():
+    from moe_proto.checkpoint import load_full_state_dict
+
+    source = nn.Sequential(MoE(D, _mlp(), num_experts=4, use_rts=False))  # DeepSpeed's keys
+    target = nn.Sequential(MoE(D, _mlp(), num_experts=4, use_rts=False))
+    with pytest.raises(KeyError, match="in DeepSpeed's layout; take it as `with moe_proto.ds_layout.stacked_layout"):
+        load_full_state_dict(target, source.state_dict())
+    with stacked_layout(source):
+        load_full_state_dict(target, source.state_dict())
+    assert torch.equal(target[0].experts.w1, source[0].experts.w1)
+    assert source[0].state_dict_layout == "deepspeed"  # restored after the block

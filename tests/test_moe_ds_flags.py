@@ -7,7 +7,6 @@ falls back, as DeepSpeed does without Tutel installed.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_proto import MoE
