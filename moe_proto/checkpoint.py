@@ -1,10 +1,9 @@
 """Checkpoints that load at any expert-parallel size: parameters and Adam state per global expert.
 
-DeepSpeed's own ``save_checkpoint`` cannot be used for :class:`moe_proto.MoE`: its
-``_save_moe_checkpoint`` (deepspeed/runtime/engine.py, 0.19.8) splits expert parameters
-by the ``deepspeed_moe.experts.deepspeed_experts.<i>`` module names of its own layer and
-fails on stacked expert weights; and its ZeRO optimizer files are flat partitions tied
-to the data-parallel size, so an ep_size change cannot reload them (DeepSpeed #6589).
+DeepSpeed's own ``engine.save_checkpoint`` works for :class:`moe_proto.MoE` under ZeRO 0-2
+(the layer writes DeepSpeed's per-expert keys, :mod:`moe_proto.ds_layout`), but its ZeRO
+optimizer files are flat partitions tied to the data-parallel size, so an ep_size change
+cannot reload them (DeepSpeed #6589), and it does not save the ZeRO-3 layer.
 
 This module writes its own topology-free checkpoint instead, one directory per tag::
 

@@ -191,9 +191,15 @@ class MoE(_DeepSpeedMoE, metaclass=_MoEFamily):
 
     The positional arguments and defaults are those of ``deepspeed.moe.layer.MoE``; the
     keyword-only ones are additions (see :class:`~moe_proto.args.MoEArgs` for all of
-    them). ``expert`` may be an ``nn.Module`` (``Linear -> activation -> Linear``; copied
-    into every expert like DeepSpeed's deep copy) or None, in which case the layer builds
+    them). ``expert`` may be any ``nn.Module``, copied into every expert like DeepSpeed's deep
+    copy: ``Linear -> activation -> Linear`` and SwiGLU FFNs as stacked weights
+    (:class:`~moe_proto.experts.GroupedExperts`), anything else as per-expert modules
+    (:class:`~moe_proto.module_experts.ModuleExperts`); or None, in which case the layer builds
     independently initialised experts of width ``ffn_hidden_size`` with ``activation``.
+
+    ``state_dict_layout``: ``"deepspeed"`` (DeepSpeed's keys, :mod:`moe_proto.ds_layout`) for a
+    layer built from an expert module and once ``deepspeed.initialize`` binds it (ZeRO 0-2),
+    else ``"stacked"``; ``load_state_dict`` takes both.
 
     ``forward(hidden_states, used_token=None)`` returns ``(output, l_aux, exp_counts)``
     like DeepSpeed: ``l_aux`` is the unscaled load-balancing loss plus
