@@ -38,6 +38,7 @@ from .ps.sharding import ServerTableSpec
 from .row_cache import ServerRowCache
 from .step_clock import PeerWaits
 from .switch import state_from_deepspeed, state_into_deepspeed
+from .sync_faults import ServerWatch, explain_collective_failure
 
 if TYPE_CHECKING:
     from picasso_ops.config import CacheConfig
@@ -84,7 +85,10 @@ class GBAEngine:
                                  micro_batch=micro, gas=gas, row_cache=cache)
         self.phase, self.policy = start(self.ctx)
         # DeepSpeed's collectives are waits on peers, not this worker's time (step_clock.py)
-        self._peer_waits = PeerWaits.attach(self.ctx.clock) if ds_engine is not None else None
+        self._peer_waits = (PeerWaits.attach(self.ctx.clock, on_error=self._collective_failed)
+                            if ds_engine is not None else None)
+        # a lost server is noticed in sync phases too (sync_faults.py): auto mode's fallback, the tables' rows
+        self._server_watch = ServerWatch(rt, self.ctx.server_live, needs_servers=gba.mode == "auto" or bool(self.tables))
         self.ctx.observer.mode = self.phase.name  # the observer counts steps per phase from the first one
         if joined_phase is not None:
             self.phase = GBAPhase(self.ctx, kept=True)
@@ -198,6 +202,8 @@ class GBAEngine:
     def _after_update(self) -> None:
         ctx = self.ctx
         local = ctx.clock.lap()  # the whole step minus waits on peers and servers (step_clock.py)
+        if isinstance(self.phase, SyncPhase):
+            self._server_watch.check()  # a gba phase's own waits on the servers have their deadlines
         ctx.global_steps += 1
         ctx.observer.on_step(ctx.local_samples, local, ctx.version)
         if ctx.row_cache is not None and ctx.global_steps % CACHE_EVENT_EVERY == 0:
@@ -463,6 +469,15 @@ class GBAEngine:
             for end in self._on_close:
                 end()
         self.rt.close()
+
+    def _collective_failed(self, what: str, exc: BaseException) -> None:
+        """A collective of this sync phase raised: name the lost worker or server if the control plane knows it.
+
+        Only in a sync phase: in a gba phase a lost worker is dropped and the job goes on, so a failed
+        collective there is the caller's own (its error is raised as it is).
+        """
+        if self.ctx is not None and not self._closed and isinstance(self.phase, SyncPhase):
+            explain_collective_failure(self.rt, self.ctx.worker_live, f"collective {what}", exc)
 
     def _worker_only(self, what: str) -> None:
         if self.is_server:

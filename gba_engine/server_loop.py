@@ -31,6 +31,7 @@ from .ps.runtime import Liveness
 from .ps.schedule import ServerLRSchedule
 from .ps.sharding import DenseSharding, ServerTableSpec
 from .switch import TrainState, moment_names, recv_state, send_state, state_from_server, state_into_server, wait_sent
+from .sync_faults import WorkerLostError, lost_worker_record, rank_host
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,25 @@ class ServerLoop:
             raise_if_stuck(self.rt)
             lost = live.poll()
             if all(w in lost or self.rt.store.check([done_key(w)]) for w in self.rt.layout.workers):
+                self._say_why_it_ends(live, lost)
                 return None  # every worker finished or is gone: the job is over
             time.sleep(POLL_S)
+
+    def _say_why_it_ends(self, live: Liveness, lost: set) -> None:
+        """Log why this server leaves the job; raise WorkerLostError when a worker was lost in a sync phase."""
+        found = lost_worker_record(self.rt)
+        if found is not None:
+            worker, host, reason = found
+            logger.error("server %d (rank %d) exits: the job stopped in a sync phase: %s", self.index, self.rt.rank,
+                         reason)
+            raise WorkerLostError(f"server rank {self.rt.rank}: the job stopped: {reason}", worker=worker, host=host)
+        done = [w for w in self.rt.layout.workers if w not in lost]
+        if lost:
+            named = ", ".join(f"rank {w} (host {rank_host(self.rt, w)}: {live.silence(w)})" for w in sorted(lost))
+            logger.warning("server %d (rank %d) exits: workers %s closed, workers lost: %s",
+                           self.index, self.rt.rank, done, named)
+        else:
+            logger.info("server %d (rank %d) exits: every worker closed (%s)", self.index, self.rt.rank, done)
 
     def run(self) -> dict:
         """Serve commands until the job ends; returns the accumulated stats."""

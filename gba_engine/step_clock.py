@@ -84,14 +84,19 @@ class PeerWaits:
         waits.detach()
     """
 
-    def __init__(self, clock: StepClock, backend) -> None:
-        self.clock, self.backend = clock, backend
+    def __init__(self, clock: StepClock, backend, on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        self.clock, self.backend, self.on_error = clock, backend, on_error
         self.thread = threading.get_ident()
         self._wrapped: list[str] = []
 
     @classmethod
-    def attach(cls, clock: StepClock) -> "PeerWaits | None":
-        """Wrap the backend's collectives for ``clock``; None when deepspeed.comm has no backend (nothing to time)."""
+    def attach(cls, clock: StepClock, on_error: Callable[[str, BaseException], None] | None = None
+               ) -> "PeerWaits | None":
+        """Wrap the backend's collectives for ``clock``; None when deepspeed.comm has no backend (nothing to time).
+
+        ``on_error(name, exc)`` runs when a collective of the training thread raises, before ``exc`` is
+        re-raised: it may raise a named error instead (``sync_faults.explain_collective_failure``).
+        """
         try:
             from deepspeed.comm import comm as ds_comm
         except ImportError:  # pragma: no cover - deepspeed is a dependency of the engine
@@ -99,15 +104,15 @@ class PeerWaits:
         backend = getattr(ds_comm, "cdb", None)
         if backend is None:
             return None
-        waits = cls(clock, backend)
+        waits = cls(clock, backend, on_error)
         for name in _BLOCKING:
             original = getattr(backend, name, None)
             if callable(original) and name not in vars(backend):  # never wrap a wrapper of another engine
-                setattr(backend, name, waits._timed(original))
+                setattr(backend, name, waits._timed(name, original))
                 waits._wrapped.append(name)
         return waits
 
-    def _timed(self, original: Callable) -> Callable:
+    def _timed(self, name: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def timed(*args, **kwargs):
             if threading.get_ident() != self.thread:
@@ -115,6 +120,10 @@ class PeerWaits:
             t0 = time.perf_counter()
             try:
                 return original(*args, **kwargs)
+            except Exception as exc:
+                if self.on_error is not None:
+                    self.on_error(name, exc)
+                raise
             finally:
                 self.clock.add_blocked(time.perf_counter() - t0)
         return timed

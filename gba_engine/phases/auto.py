@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..protocol import Leave, PhaseEnd, StepTime, end_key, step_time_key
 from ..straggler import StragglerDetector
+from ..sync_faults import explain_collective_failure
 from .base import PhaseHost, WorkerContext
 from .gba import GBAPhase
 
@@ -79,7 +80,11 @@ class AutoSwitch(SwitchPolicy):
         ctx = self.ctx
         mine = torch.tensor([local_s], dtype=torch.float64)
         gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx.num_workers)]
-        dist.all_gather(gathered, mine, group=ctx.rt.worker_group)  # same rows on every worker: same decision
+        try:
+            dist.all_gather(gathered, mine, group=ctx.rt.worker_group)  # same rows on every worker: same decision
+        except Exception as exc:
+            explain_collective_failure(ctx.rt, ctx.worker_live, "step-time all_gather", exc)
+            raise
         d = self.detector.observe([float(t) for t in gathered])
         if d.switched and d.mode == "gba":
             host.switch_to_gba(reason=f"slow workers {sorted(d.slow)}, ratios {[round(r, 2) for r in d.ratios]}",

@@ -58,6 +58,7 @@ class WorkerContext:
     commands: ServerCommands = None  # type: ignore[assignment]
     worker_live: Liveness = None  # type: ignore[assignment]
     first_live: Liveness = None  # type: ignore[assignment]
+    server_live: Liveness = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.observer is None:
@@ -69,6 +70,8 @@ class WorkerContext:
             self.worker_live = Liveness(self.rt, self.workers)
         if self.first_live is None:  # auto mode: the coordinator
             self.first_live = Liveness(self.rt, self.workers[:1])
+        if self.server_live is None:  # sync phases: the servers' heartbeats (sync_faults.ServerWatch)
+            self.server_live = Liveness(self.rt, self.rt.layout.servers)
 
     @property
     def workers(self) -> tuple[int, ...]:

@@ -60,10 +60,10 @@ from __future__ import annotations
 
 from .keys import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTES_EVENT, SWITCH_SECONDS_EVENT,
                    abort_key, ack_key, claims_base_key, claims_counter_key, closed_key, command_key, done_key,
-                   end_key, exhausted_key, gather_key, heartbeat_key, inbox_key, incarnation_key, joinable_key,
+                   end_key, exhausted_key, gather_key, heartbeat_key, host_key, inbox_key, incarnation_key, joinable_key,
                    layout_key, norm_key, out_key, pair_prefix, rate_key, samples_per_s_event, save_done_key,
                    save_request_key, staleness_event, stats_key, step_time_key, store_address_key, stuck_key,
-                   version_key)
+                   version_key, worker_lost_key)
 from .messages import (COMMANDS, FLAG, AbortRecord, Ack, Command, ControlMessageError, DoorbellMessage, Finished,
                        GetState, Kept, LayoutRecord, Leave, LoadShards, PhaseEnd, PutState, SaveRequest, SaveShards,
                        Serve, StepTime, StoreAddress, StuckRecord, decode_command, decode_float, decode_int,
@@ -77,8 +77,8 @@ __all__ = [
     "SaveShards", "Serve", "StepTime", "StoreAddress", "StuckRecord", "abort_key", "ack_key", "claims_base_key",
     "claims_counter_key", "closed_key", "command_key", "decode_command", "decode_float", "decode_int",
     "decode_object", "decode_stats", "done_key", "encode_command", "encode_float", "encode_int", "encode_object",
-    "encode_stats", "end_key", "exhausted_key", "gather_key", "heartbeat_key", "inbox_key", "incarnation_key",
+    "encode_stats", "end_key", "exhausted_key", "gather_key", "heartbeat_key", "host_key", "inbox_key", "incarnation_key",
     "joinable_key", "layout_key", "norm_key", "out_key", "pair_prefix", "rate_key", "samples_per_s_event",
     "save_done_key", "save_request_key", "staleness_event", "stats_key", "step_time_key", "store_address_key",
-    "stuck_key", "version_key",
+    "stuck_key", "version_key", "worker_lost_key",
 ]

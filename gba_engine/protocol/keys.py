@@ -132,6 +132,16 @@ def claims_base_key(phase: int) -> str:
     return _key("claims_base", phase)
 
 
+def host_key(rank: int) -> str:
+    """The host name of ``rank``, set at start-up, for the messages that name a lost rank."""
+    return _key("host", rank)
+
+
+def worker_lost_key() -> str:
+    """``WORKER|HOST|REASON``, set once (``compare_set``) by the first survivor that finds a worker lost in a sync phase."""
+    return _key("worker_lost")
+
+
 def abort_key() -> str:
     """The job's :class:`AbortRecord`, set once (``compare_set``) by the first rank that finds a server lost."""
     return _key("abort")

@@ -65,7 +65,7 @@ from torch.distributed import TCPStore
 from ..config import HEARTBEAT_LEASE, GBAConfig
 from .link import DelayedDoorbells, LinkModel
 from ..protocol import (FLAG, AbortRecord, DoorbellMessage, LayoutRecord, StoreAddress, abort_key, closed_key,
-                        heartbeat_key, inbox_key, incarnation_key, joinable_key, layout_key, pair_prefix,
+                        heartbeat_key, host_key, inbox_key, incarnation_key, joinable_key, layout_key, pair_prefix,
                         store_address_key)
 
 if TYPE_CHECKING:
@@ -527,6 +527,7 @@ def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLik
                              "only a worker whose process died can be replaced")
     incarnation = store.add(incarnation_key(worker), 1)
     heartbeat = _Heartbeat(host, port, worker, config.heartbeat_s, config.timeout_s)
+    store.set(host_key(worker), socket.gethostname())
     links = {}
     try:
         for s in lay.servers:
@@ -613,6 +614,7 @@ def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkM
         host, port = address.host, address.port
         store = TCPStore(host, port, is_master=False, timeout=timeout)
     heartbeat = _Heartbeat(host, port, rank, config.heartbeat_s, config.timeout_s)
+    store.set(host_key(rank), socket.gethostname())  # the messages that name a lost rank name its host too
     logger.info("rank %d is a PS %s; control plane at %s:%d", rank, lay.role(rank), host, port)
     return PSRuntime(rank=rank, layout=lay, ps_group=ps_group, worker_group=worker_group, store=store,
                      store_host=host, store_port=port, timeout_s=config.timeout_s,
