@@ -63,7 +63,9 @@ COLLECTIVES = frozenset({
     "gather", "gather_object", "scatter", "scatter_object_list",
 })
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
-_PLUMBING = (os.path.join("torch", "distributed", ""), os.path.join("deepspeed", "comm", ""))  # wrappers, not callers
+# wrappers, not callers (step_clock.py times DeepSpeed's collectives for auto mode's detector)
+_PLUMBING = (os.path.join("torch", "distributed", ""), os.path.join("deepspeed", "comm", ""),
+             os.path.join("gba_engine", "step_clock.py"))
 
 
 class StuckCollectiveError(RuntimeError):

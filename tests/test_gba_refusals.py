@@ -206,8 +206,15 @@ class WorldSyncTable(nn.Module):
     def forward(self, ids):
         return self.rows[ids]
 
+    via_deepspeed = False  # through deepspeed.comm (whose collectives the engine wraps to time them) or torch's
+
     def sparse_step(self) -> None:
-        dist.all_reduce(self.rows)  # group=None: the world, which includes the server rank
+        if self.via_deepspeed:
+            import deepspeed.comm
+
+            deepspeed.comm.all_reduce(self.rows)  # the world again, through the wrapped backend
+        else:
+            dist.all_reduce(self.rows)  # group=None: the world, which includes the server rank
 
 
 class HangNet(nn.Module):
@@ -230,12 +237,13 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _hang_launch(rank: int, world_size: int) -> dict:
+def _hang_launch(rank: int, world_size: int, via_deepspeed: bool = False) -> dict:
     import gba_engine
 
     records = _Records()
     logging.getLogger("gba_engine").addHandler(records)
     model = HangNet()
+    model.table.via_deepspeed = via_deepspeed
     t0 = time.time()
     try:
         engine = gba_engine.initialize(model=model, config=_config("auto"))
@@ -258,9 +266,10 @@ def _hang_launch(rank: int, world_size: int) -> dict:
     return {"error": None, "logged": records.messages}
 
 
-def test_a_collective_the_server_never_joins_fails_within_timeout_s_naming_the_module_and_the_wait():
+@pytest.mark.parametrize("via_deepspeed", [False, True], ids=["torch", "deepspeed.comm"])
+def test_a_collective_the_server_never_joins_fails_within_timeout_s_naming_the_module_and_the_wait(via_deepspeed):
     t0 = time.monotonic()
-    w0, w1, server = run_distributed(_hang_launch, world_size=3, timeout_s=40)
+    w0, w1, server = run_distributed(_hang_launch, world_size=3, args=(via_deepspeed,), timeout_s=40)
     assert time.monotonic() - t0 < 40
     # the server stops waiting for its next command as soon as a worker is seen stuck, with the reason
     assert server["error"] == "StuckCollectiveError", server
