@@ -43,10 +43,12 @@ class SwitchConfig(StrictBlock):
                                  "slow_ratio x the reference (the lower median of the workers' medians) and the "
                                  "gap is significant: below 64 workers more than 3 scaled MADs of its own jitter, "
                                  "from 64 workers on more than a bar over the spread of all workers' log-medians "
-                                 "that grows with N (5.5 sigmas at 64, 6.0 at 1,024).")
+                                 "that grows with N (5.5 sigmas at 64, 6.0 at 1,024), for window consecutive "
+                                 "steps (so CPU contention that slows a worker for a few steps is not a straggler).")
     recover_ratio: float = Field(
         1.2, gt=1.0, description="A slow worker recovers when its median step time falls below recover_ratio x the "
-                                 "reference (hysteresis); auto goes back to sync when no worker is slow.")
+                                 "reference (hysteresis) for window // 2 consecutive steps; auto goes back to sync "
+                                 "when no worker is slow.")
     window: PositiveInt = Field(  # step times per worker in the robust statistic
         8, description="Recent step times per worker whose median and MAD the detector compares; no switch before "
                        "this many steps are seen.")
