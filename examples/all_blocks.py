@@ -11,7 +11,6 @@ worker under ``gba``). Worker ``--slow-rank`` is slowed during ``--slow-steps`` 
 to gba and back. Rank 0 writes ``<out>/result.json``; the exit code is non-zero when the held-out AUC
 misses ``--auc-bar``.
 """
-import argparse
 import json
 import os
 import statistics
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparse_scale
+from dlrm_gba import parse_args
 from dlrm_kjt import DLRM, FIELDS, VOCAB, auc, make_batch  # the data and the DLRM of dlrm_kjt.py
 
 
@@ -41,17 +41,7 @@ class MoEDLRM(DLRM):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=str(Path(__file__).with_suffix(".json")))
-    p.add_argument("--steps", type=int, default=200, help="job steps: steps x workers batches in all")
-    p.add_argument("--out", default="runs/all_blocks")
-    p.add_argument("--slow-rank", type=int, default=1)
-    p.add_argument("--slow-factor", type=float, default=4.0)
-    p.add_argument("--slow-steps", default="30-80", help="FIRST-LAST job steps of the slowdown")
-    p.add_argument("--eval-samples", type=int, default=4096)
-    p.add_argument("--auc-bar", type=float, default=0.75)
-    p.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
-    args = p.parse_args()
+    args = parse_args(__file__, __doc__)  # dlrm_gba.py's flags: --steps, --out, --slow-rank/-factor/-steps, ...
     first, last = (int(s) for s in args.slow_steps.split("-"))
 
     config = json.loads(Path(args.config).read_text())

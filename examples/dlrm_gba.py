@@ -27,18 +27,23 @@ import sparse_scale
 from dlrm_kjt import DLRM, FIELDS, VOCAB, auc, make_batch  # the same model and data, beside this file
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=str(Path(__file__).with_suffix(".json")))
+def parse_args(script: str, doc: str) -> argparse.Namespace:
+    """The flags of a gba example (this one and all_blocks.py): its config beside it, steps, the slowdown."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--config", default=str(Path(script).with_suffix(".json")))
     p.add_argument("--steps", type=int, default=200, help="job steps: steps x workers batches in all")
-    p.add_argument("--out", default="runs/dlrm_gba")
+    p.add_argument("--out", default=f"runs/{Path(script).stem}")
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-factor", type=float, default=4.0)
     p.add_argument("--slow-steps", default="30-80", help="FIRST-LAST job steps of the slowdown")
     p.add_argument("--eval-samples", type=int, default=4096)
     p.add_argument("--auc-bar", type=float, default=0.75)
     p.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args(__file__, __doc__)
     first, last = (int(s) for s in args.slow_steps.split("-"))
 
     config = json.loads(Path(args.config).read_text())
