@@ -5,7 +5,7 @@
 DeepSpeed JIT-builds ``deepspeed_shm_comm`` on the first ``init_distributed`` of a
 multi-rank CPU job (~1 min) into ~/.cache/torch_extensions. A build killed midway
 leaves a ``lock`` file there and every later build waits on it forever: this script
-names such a lock instead of hanging. Staleness is judged by
+removes such a lock (of any op, ours or DeepSpeed's) with a warning naming it, instead of hanging. Staleness is judged by
 ``sparse_scale.base.jit_build.lock_staleness``, the one stale-lock test of the project;
 this edge binds ``picasso_ops.ops.configure(OpsConfig.from_env(os.environ))`` first.
 """
@@ -48,15 +48,25 @@ def stale_locks(root: Path, now: float | None = None, max_age_s: Optional[float]
                   if jit_build.lock_staleness(lock.parent, max_age_s, now=now)[0] is not None)
 
 
+def clear_stale_locks(root: Path) -> list[Path]:
+    """Remove the stale locks under ``root`` (:func:`stale_locks`), each named in a warning; returns them.
+
+    A lock left by a killed build of an op we never build ourselves (DeepSpeed's fused_adam) would
+    otherwise hang the next build of that op, or fail this prebuild, on a machine nobody cleans.
+    """
+    stale = stale_locks(root)
+    for lock in stale:
+        jit_build.check_lock(lock.parent, stale_after_s=current_config().stale_lock_s, clear_stale=True, wait=False,
+                             extension=lock.parent.name, log=logger)
+    return stale
+
+
 def main() -> int:
-    """Name a stale lock (exit 1) or build DeepSpeed's shm comm op on CPU (exit 0)."""
+    """Remove stale build locks, then build DeepSpeed's shm comm op on CPU (exit 0)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     configure(OpsConfig.from_env(os.environ))
     root = extensions_dir()
-    stale = stale_locks(root)
-    if stale:
-        logger.error("stale JIT build lock(s) from a killed build; delete them and rerun: %s", [str(p) for p in stale])
-        return 1
+    clear_stale_locks(root)
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":

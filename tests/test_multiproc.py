@@ -107,6 +107,19 @@ def test_stale_lock_detection(tmp_path):
     assert stale_locks(tmp_path) == [old]
 
 
+def test_prebuild_removes_a_stale_lock_and_keeps_a_fresh_one(tmp_path, caplog):
+    from sparse_scale.prebuild import clear_stale_locks
+
+    for op in ("fused_adam", "building_now"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / "lock").touch()
+    os.utime(tmp_path / "fused_adam" / "lock", (time.time() - 3600, time.time() - 3600))  # a killed build's
+    with caplog.at_level("WARNING"):
+        assert clear_stale_locks(tmp_path) == [tmp_path / "fused_adam" / "lock"]
+    assert not (tmp_path / "fused_adam" / "lock").exists() and (tmp_path / "building_now" / "lock").exists()
+    assert "removing stale build lock" in caplog.text and "fused_adam" in caplog.text
+
+
 _RUNS_IN_THIS_PROCESS = []
 
 
