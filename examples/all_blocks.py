@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparse_scale
+from picasso_ops.data.metrics import auc
 from dlrm_gba import parse_args
-from dlrm_kjt import DLRM, FIELDS, VOCAB, auc, make_batch  # the data and the DLRM of dlrm_kjt.py
+from dlrm_kjt import DLRM, FIELDS, VOCAB, make_batch  # the data and the DLRM of dlrm_kjt.py
 
 
 class MoEDLRM(DLRM):

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import sparse_scale
-from dlrm_kjt import DLRM, FIELDS, VOCAB, auc, make_batch  # the same model and data, beside this file
+from picasso_ops.data.metrics import auc
+from dlrm_kjt import DLRM, FIELDS, VOCAB, make_batch  # the same model and data, beside this file
 
 
 def parse_args(script: str, doc: str) -> argparse.Namespace:

@@ -22,6 +22,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import sparse_scale
+from picasso_ops.data.metrics import auc  # exact ROC AUC, ties as one half
 
 FIELDS, VOCAB, DENSE = 4, 200, 4
 KEYS = [f"f{i}" for i in range(FIELDS)]
@@ -63,15 +64,6 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return self.top(self.interact(dense, kjt)).squeeze(-1)  # click logits [B]
-
-
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve: the chance that a random positive outranks a random negative (ties: half)."""
-    values, inverse, counts = scores.double().unique(return_inverse=True, return_counts=True)
-    mid_rank = counts.cumsum(0).double() - (counts - 1) / 2  # the average 1-based rank of each distinct score
-    ranks, pos = mid_rank[inverse], labels.bool()
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 def main() -> int:

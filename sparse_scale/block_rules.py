@@ -28,12 +28,15 @@ class BlockCombinationError(ConfigError):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockRule:
-    """One refused combination of blocks: ``applies(blocks)`` says whether it is hit, ``reason(blocks)`` why."""
+class Rule:
+    """One refused combination: ``applies(x)`` says whether ``x`` hits it, ``reason(x)`` why it is refused.
+
+    Here ``x`` is a config's blocks by name; a job's own rules take the job (``sparse_scale.rec.combinations``).
+    """
 
     name: str
-    applies: Callable[[dict[str, Any]], bool]
-    reason: Callable[[dict[str, Any]], str]
+    applies: Callable[[Any], bool]
+    reason: Callable[[Any], str]
 
 
 DROPLESS_UNUSED = ("capacity_factor", "eval_capacity_factor", "min_capacity", "drop_policy")
@@ -65,44 +68,44 @@ def _both(blocks: dict[str, Any], a: str, b: str) -> bool:
     return blocks.get(a) is not None and blocks.get(b) is not None
 
 
-BLOCK_RULES: tuple[BlockRule, ...] = (
-    BlockRule("gba+picasso-row-wise",
+BLOCK_RULES: tuple[Rule, ...] = (
+    Rule("gba+picasso-row-wise",
               lambda b: _both(b, "gba", "picasso") and b["picasso"].sharding == "row_wise",
               lambda b: "picasso.sharding 'row_wise' with a gba block: the packed tables' rows are spread over the "
                         "parameter servers by id already; use sharding 'data_parallel' (the default)"),
-    BlockRule("gba+picasso-cache",
+    Rule("gba+picasso-cache",
               lambda b: _both(b, "gba", "picasso") and b["picasso"].cache is not None
               and b["picasso"].cache.store != "ps",
               lambda b: f"picasso.cache.store={b['picasso'].cache.store!r} with a gba block: that store keeps trained "
                         "rows on the worker, while with gba the parameter servers own the rows and their optimizer; "
                         "use store 'ps' (a read cache in front of the servers, gba_engine/row_cache.py)"),
-    BlockRule("gba+picasso-interleave",
+    Rule("gba+picasso-interleave",
               lambda b: _both(b, "gba", "picasso") and b["picasso"].interleave.micro_batches > 1,
               lambda b: "picasso.interleave.micro_batches > 1 with a gba block: interleaving overlaps the fused "
                         "sparse backward of worker-held tables, while the servers' tables take their update at the "
                         "step boundary from one push; set micro_batches to 1"),
-    BlockRule("gba+picasso-prefetch",
+    Rule("gba+picasso-prefetch",
               lambda b: _both(b, "gba", "picasso") and b["picasso"].interleave.prefetch_batches > 0,
               lambda b: "picasso.interleave.prefetch_batches > 0 with a gba block: a gba job hands its batches out "
                         "by number (claim_batches), so there is no rank stream to read ahead; set it to 0"),
-    BlockRule("gba+moe-expert-parallel",
+    Rule("gba+moe-expert-parallel",
               lambda b: _both(b, "gba", "moe_proto") and b["moe_proto"].ep_size > 1,
               lambda b: f"moe_proto.ep_size={b['moe_proto'].ep_size} with a gba block: expert parallelism sends every "
                         "sample's rows to their experts' owners by all-to-all, which needs the workers in lockstep, "
                         "while gba workers run at their own pace (and DeepSpeed's expert groups would span the "
                         "parameter servers); use ep_size 1: with a gba block every worker holds every expert, "
                         "trained through the servers like the other dense parameters"),
-    BlockRule("gba+moe-global-load",
+    Rule("gba+moe-global-load",
               lambda b: _both(b, "gba", "moe_proto") and (b["moe_proto"].expert_bias_update_rate > 0
                                                           or b["moe_proto"].aux_loss_scope == "global_batch"),
               lambda b: "moe_proto.expert_bias_update_rate > 0 and aux_loss_scope 'global_batch' sum expert loads "
                         "over the workers every step, and gba workers run asynchronously; with a gba block use "
                         "expert_bias_update_rate 0 and aux_loss_scope 'micro_batch'"),
-    BlockRule("moe-dropless-unused-keys",
+    Rule("moe-dropless-unused-keys",
               lambda b: bool(dropless_unused(b)),
               lambda b: f"moe_proto.dropless is true, so the layers keep every route and never read "
                         f"moe_proto.{', moe_proto.'.join(dropless_unused(b))}; remove them (or set dropless false)"),
-    BlockRule("bounds-check-unsupported",
+    Rule("bounds-check-unsupported",
               lambda b: bounds_check_obstacle(b) is not None,
               lambda b: f"picasso.bounds_check \"{b['picasso'].bounds_check}\" with {bounds_check_obstacle(b)}: "
                         "out-of-range ids are replaced and counted in the packed data-parallel lookup only; use "

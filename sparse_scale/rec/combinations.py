@@ -7,10 +7,7 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
-from sparse_scale.block_rules import BLOCK_RULES, BlockRule
+from sparse_scale.block_rules import BLOCK_RULES, Rule
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 
 
@@ -20,15 +17,6 @@ class CombinationError(RecJobError):
     def __init__(self, rule: str, message: str) -> None:
         super().__init__(message)
         self.rule = rule
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One refused combination: ``applies(job)`` says whether ``job`` hits it, ``reason(job)`` why it is refused."""
-
-    name: str
-    applies: Callable[[RecJobConfig], bool]
-    reason: Callable[[RecJobConfig], str]
 
 
 def _gba(job: RecJobConfig):
@@ -42,7 +30,7 @@ def _picasso(job: RecJobConfig):
 DEFAULT_EMBEDDING_DIM = RecJobConfig.__dataclass_fields__["embedding_dim"].default
 
 
-def _from_block_rule(rule: BlockRule) -> Rule:
+def _from_block_rule(rule: Rule) -> Rule:
     """A block-level rule (``sparse_scale.block_rules``) as a rule of the job, naming the job's file."""
     return Rule(rule.name, lambda j: rule.applies(dict(j.loaded.blocks)),
                 lambda j: f"{j.config}: {rule.reason(dict(j.loaded.blocks))}")
