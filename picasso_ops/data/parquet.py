@@ -1,10 +1,13 @@
-"""Reader of Criteo-like parquet files into `CTRBatch`es, sharded by rank.
+"""Reader of CTR parquet files into `CTRBatch`es, sharded by rank.
 
-Columns (names configurable): ``label`` (0/1; integer, float or bool), ``I1..I13``
-(integers or floats; null/NaN = missing, +-inf = a bad row as in a TSV file; decimal strings are parsed too) and
-``C1..C26`` (hex strings as in the TSV files, or integers; null or "" = missing).
-The values go through the same transforms and hash as `CriteoTSVReader`, so a
-parquet copy of a TSV file gives identical batches.
+Columns come from a :class:`~picasso_ops.data.schema.DataSchema` (by name, or by 0-based position in
+the file); the default is the Criteo layout: ``label`` (0/1; integer, float or bool), ``I1..I13``
+(integers or floats; null/NaN = missing, +-inf or a magnitude above ``values.DENSE_LIMIT`` = a bad
+row, as in a TSV file; decimal strings are parsed too) and ``C1..C26`` (hex strings as in the TSV
+files, or integers; null or "" = missing). With ``categorical_values: "text"`` a string column is
+hashed from its text and an integer column from its decimal text, as the TSV reader hashes the same
+field. The values go through the same checks, transforms and hash as `CriteoTSVReader`, so a
+parquet copy of a TSV/CSV file gives identical batches.
 
 Sharding (``shard_by``):
   * ``"rows"`` (default): global row i (counting the rows of all files in order) goes to
@@ -37,9 +40,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .parsing import dense_transform, parse_decimal, parse_hex
 from .quality import BadRow, DataError
 from .rows import RowBlock, ShardedRowReader, owned_rows
+from .schema import DataSchema
+from .values import check_dense, decode_categorical, decode_dense, dense_problem, stack_categorical
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,13 @@ class _FileLayout:
     first_row: int              # global index of the file's first row
     group_rows: tuple[int, ...]  # rows per row group
     first_group: int            # global index of the file's first row group
+    label: str                  # the schema's columns by their names in this file
+    dense: tuple[str, ...]
+    categorical: tuple[str, ...]
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.label, *self.dense, *self.categorical]
 
 
 class ParquetCTRReader(ShardedRowReader):
@@ -94,7 +105,9 @@ class ParquetCTRReader(ShardedRowReader):
         paths: one file or a list, read in order.
         batch_size, vocab_sizes, rank, world_size, start_row, drop_last, max_bad_fraction,
         max_reported, hash_seed: as for `CriteoTSVReader`.
-        label_column, int_columns, cat_columns: column names (defaults label, I1..I13, C1..C26).
+        schema: the files' columns (default: the Criteo layout).
+        label_column, int_columns, cat_columns: the Criteo layout's column names under other names
+            (without ``schema`` only; a schema names its own columns).
         shard_by: "rows" or "row_groups" (module doc).
         read_rows: rows decoded per ``iter_batches`` step.
 
@@ -109,17 +122,24 @@ class ParquetCTRReader(ShardedRowReader):
                  start_row: int = 0, drop_last: bool = False, max_bad_fraction: float = 0.01,
                  max_reported: int = 5, hash_seed: int = 0, label_column: str = "label",
                  int_columns: Sequence[str] = DEFAULT_INT_COLUMNS, cat_columns: Sequence[str] = DEFAULT_CAT_COLUMNS,
-                 shard_by: Literal["rows", "row_groups"] = "rows", read_rows: int = 65536) -> None:
-        super().__init__(paths, batch_size, vocab_sizes=vocab_sizes, num_cat_features=len(cat_columns),
+                 shard_by: Literal["rows", "row_groups"] = "rows", read_rows: int = 65536,
+                 schema: DataSchema | None = None) -> None:
+        renamed = (label_column, tuple(int_columns), tuple(cat_columns)) != \
+            ("label", DEFAULT_INT_COLUMNS, DEFAULT_CAT_COLUMNS)
+        if schema is not None and renamed:
+            raise ValueError("give either schema or label_column/int_columns/cat_columns, not both")
+        if schema is None:
+            schema = DataSchema.criteo() if not renamed else DataSchema(
+                label=label_column, dense=tuple(int_columns), categorical=tuple(cat_columns),
+                categorical_values="hex", dense_values="integer")
+        self.schema = schema
+        super().__init__(paths, batch_size, vocab_sizes=vocab_sizes, num_cat_features=schema.num_categorical,
                          rank=rank, world_size=world_size, start_row=start_row, drop_last=drop_last,
                          max_bad_fraction=max_bad_fraction, max_reported=max_reported, hash_seed=hash_seed)
         if shard_by not in ("rows", "row_groups"):
             raise ValueError(f"shard_by must be 'rows' or 'row_groups', got {shard_by!r}")
         if read_rows < 1:
             raise ValueError(f"read_rows must be >= 1, got {read_rows}")
-        self.label_column = label_column
-        self.int_columns = tuple(int_columns)
-        self.cat_columns = tuple(cat_columns)
         self.shard_by = shard_by
         self.read_rows = read_rows
         self._layouts = self._inspect()
@@ -132,29 +152,44 @@ class ParquetCTRReader(ShardedRowReader):
                 schema = pq.read_schema(path)
             except (pa.ArrowException, OSError) as exc:
                 raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
-            self._check_schema(path, schema)
+            label, dense, cats = self._resolve(path, schema)
             group_rows = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-            layouts.append(_FileLayout(path, rows, group_rows, groups))
+            layouts.append(_FileLayout(path, rows, group_rows, groups, label, dense, cats))
             rows += sum(group_rows)
             groups += len(group_rows)
         return layouts
 
-    def _check_schema(self, path: Path, schema: pa.Schema) -> None:
-        wanted = [self.label_column, *self.int_columns, *self.cat_columns]
+    def _resolve(self, path: Path, schema: pa.Schema) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        """The names of the data schema's columns in this file; a missing or unusable column names the file."""
+        def name(ref: str | int) -> str:
+            if isinstance(ref, int):
+                if ref >= len(schema.names):
+                    raise DataError(f"{path}: the schema's column at position {ref} is past the file's "
+                                    f"{len(schema.names)} columns {schema.names}")
+                return schema.names[ref]
+            return ref
+
+        spec = self.schema
+        label, dense = name(spec.label), tuple(name(r) for r in spec.dense)
+        cats = tuple(name(c.column) for c in spec.categorical_columns)
+        wanted = [label, *dense, *cats]
         missing = [c for c in wanted if schema.get_field_index(c) < 0]
         if missing:
-            raise DataError(f"{path}: missing columns {missing}; the file has {schema.names}")
-        for name in wanted:
-            t = _value_type(schema.field(name).type)
+            raise DataError(f"{path}: missing columns {missing} named in the schema; the file has {schema.names}")
+        if len(set(wanted)) != len(wanted):
+            raise DataError(f"{path}: the schema uses one column of the file twice ({wanted})")
+        for col in wanted:
+            t = _value_type(schema.field(col).type)
             numeric = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-            if name == self.label_column:
+            if col == label:
                 allowed = numeric
-            elif name in self.int_columns:
+            elif col in dense:
                 allowed = numeric or _is_text(t) or pa.types.is_null(t)
             else:
                 allowed = pa.types.is_integer(t) or _is_text(t) or pa.types.is_null(t)
             if not allowed:
-                raise DataError(f"{path}: column {name!r} has unsupported type {t}")
+                raise DataError(f"{path}: column {col!r} has unsupported type {t}")
+        return label, dense, cats
 
     def total_rows(self) -> int:
         """Rows in all files, from their footers."""
@@ -170,7 +205,6 @@ class ParquetCTRReader(ShardedRowReader):
             first += n
 
     def _blocks(self) -> Iterator[RowBlock]:
-        columns = [self.label_column, *self.int_columns, *self.cat_columns]
         for layout in self._layouts:
             groups = list(self._groups(layout))
             if not groups:
@@ -179,7 +213,7 @@ class ParquetCTRReader(ShardedRowReader):
             with pq.ParquetFile(layout.path) as pf:
                 for g, group_first in groups:
                     row = group_first
-                    for rb in pf.iter_batches(batch_size=self.read_rows, row_groups=[g], columns=columns,
+                    for rb in pf.iter_batches(batch_size=self.read_rows, row_groups=[g], columns=layout.columns,
                                               use_threads=False):
                         row_index = row + np.arange(rb.num_rows, dtype=np.int64)
                         row += rb.num_rows
@@ -197,61 +231,74 @@ class ParquetCTRReader(ShardedRowReader):
         last = self._layouts[-1]
         self._end_row = last.first_row + sum(last.group_rows)
 
+    def _categorical(self, arr: pa.Array, separator: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One categorical column as :func:`~picasso_ops.data.values.decode_categorical` gives it."""
+        n, kind = len(arr), self.schema.categorical_values
+        if pa.types.is_null(arr.type):
+            raw, counts, ok = np.zeros(n, np.uint64), np.zeros(n, bool), np.ones(n, bool)
+        elif _is_text(_value_type(arr.type)) or kind == "text":  # text: an integer hashes as its decimal text
+            if not _is_text(_value_type(arr.type)):
+                arr = arr.cast(pa.int64()).cast(pa.string())
+            return decode_categorical(*_text_spans(arr), separator, kind)
+        else:
+            counts = arr.is_valid().to_numpy(zero_copy_only=False)
+            values = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+            raw, ok = values.view(np.uint64), np.ones(n, bool)  # negative ids keep their bit pattern
+        if separator is not None:  # one value per row, in the multi-hot shape
+            return raw[:, None], counts.astype(np.int64), ok
+        return raw, counts, ok
+
     def _convert(self, rb: pa.RecordBatch, row_index: np.ndarray, layout: _FileLayout) -> RowBlock:
-        n = rb.num_rows
-        label = _numeric(rb.column(self.label_column))
+        n, spec = rb.num_rows, self.schema
+        label = _numeric(rb.column(layout.label))
         label_ok = (label == 0) | (label == 1)
-        ints = np.zeros((n, len(self.int_columns)), np.float64)
-        int_ok = np.ones((n, len(self.int_columns)), bool)
-        for j, name in enumerate(self.int_columns):  # one vectorised op per column, not per row
+        values = np.zeros((n, len(layout.dense)), np.float64)
+        present = np.zeros((n, len(layout.dense)), bool)
+        parsed = np.ones((n, len(layout.dense)), bool)
+        for j, name in enumerate(layout.dense):  # one vectorised op per column, not per row
             arr = rb.column(name)
             if _is_text(_value_type(arr.type)):
-                values, present, ok = parse_decimal(*_text_spans(arr))
-                ints[:, j] = np.where(present, values, 0)
-                int_ok[:, j] = ok
+                values[:, j], present[:, j], parsed[:, j] = decode_dense(*_text_spans(arr), spec.dense_values)
             else:
-                values = _numeric(arr)
-                int_ok[:, j] = ~np.isinf(values)  # +-inf is a bad row, as "inf" is in a TSV file (not 709.8 = log1p(max))
-                ints[:, j] = np.where(np.isnan(values) | ~int_ok[:, j], 0.0, values)  # null/NaN: missing
-        raw = np.zeros((n, len(self.cat_columns)), np.uint64)
-        present = np.zeros((n, len(self.cat_columns)), bool)
-        cat_ok = np.ones((n, len(self.cat_columns)), bool)
-        for j, name in enumerate(self.cat_columns):
-            arr = rb.column(name)
-            if _is_text(_value_type(arr.type)):
-                raw[:, j], present[:, j], cat_ok[:, j] = parse_hex(*_text_spans(arr))
-            elif pa.types.is_null(arr.type):
-                continue
-            else:
-                present[:, j] = arr.is_valid().to_numpy(zero_copy_only=False)
-                values = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-                raw[:, j] = values.view(np.uint64)  # negative ids keep their bit pattern
-        good = label_ok & int_ok.all(axis=1) & cat_ok.all(axis=1)
+                values[:, j] = _numeric(arr)
+                present[:, j] = ~np.isnan(values[:, j])  # null/NaN: missing
+        dense, in_range = check_dense(values, present, spec.dense_transform)  # the TSV reader's check
+        dense_ok = parsed & in_range
+        separators = spec.separators
+        raw, cat_present, cat_ok = stack_categorical(
+            [self._categorical(rb.column(name), sep) for name, sep in zip(layout.categorical, separators)],
+            multi_hot=any(sep is not None for sep in separators))
+        good = label_ok & dense_ok.all(axis=1) & cat_ok.all(axis=1)
         num_bad = int((~good).sum())
         self.tracker.record(n, num_bad, lambda k: self._describe_bad(k, rb, row_index, layout, good, label_ok,
-                                                                     int_ok, cat_ok))
+                                                                     dense_ok, parsed, cat_ok))
         return RowBlock(
             labels=label[good].astype(np.float32),
-            dense=dense_transform(ints[good]),
-            present=present[good],
+            dense=dense[good],
+            present=cat_present[good],
             ids=self.hasher(raw[good]),
             row_index=row_index[good],
         )
 
     def _describe_bad(self, k: int, rb: pa.RecordBatch, row_index: np.ndarray, layout: _FileLayout,
-                      good: np.ndarray, label_ok: np.ndarray, int_ok: np.ndarray, cat_ok: np.ndarray
-                      ) -> list[BadRow]:
+                      good: np.ndarray, label_ok: np.ndarray, dense_ok: np.ndarray, parsed: np.ndarray,
+                      cat_ok: np.ndarray) -> list[BadRow]:
         out = []
         for i in np.flatnonzero(~good)[:k]:  # a handful of rows, for the log only
             if not label_ok[i]:
-                reason = f"{self.label_column} must be 0 or 1"
-            elif not int_ok[i].all():
-                name = self.int_columns[int(np.argmin(int_ok[i]))]
+                reason = f"{layout.label} must be 0 or 1"
+            elif not dense_ok[i].all():
+                j = int(np.argmin(dense_ok[i]))
+                name = layout.dense[j]
                 value = rb.column(name)[int(i)].as_py()
-                reason = f"column {name} is not finite ({value})" if isinstance(value, float) else \
-                    f"column {name} is not an integer"
+                if isinstance(value, str):
+                    number = None if not parsed[i, j] else float(value)
+                    reason = f"column {name} is not an integer" if number is None and \
+                        self.schema.dense_values == "integer" else dense_problem(name, value, number)
+                else:
+                    reason = dense_problem(name, str(value), float(value))
             else:
-                reason = f"column {self.cat_columns[int(np.argmin(cat_ok[i]))]} is not a hex value of 1-16 digits"
+                reason = f"column {layout.categorical[int(np.argmin(cat_ok[i]))]} is not a hex value of 1-16 digits"
             text = "\t".join("" if v is None else str(v) for v in rb.slice(int(i), 1).to_pylist()[0].values())
             out.append(BadRow(str(layout.path), f"row {int(row_index[i]) - layout.first_row} (0-based)",
                               reason, text))

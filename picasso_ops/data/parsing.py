@@ -16,11 +16,13 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["parse_decimal", "parse_hex", "CategoricalHasher", "dense_transform", "MAX_DECIMAL_DIGITS",
-           "MAX_HEX_DIGITS"]
+__all__ = ["parse_decimal", "parse_hex", "parse_number", "hash_text", "split_spans", "CategoricalHasher",
+           "dense_transform", "MAX_DECIMAL_DIGITS", "MAX_HEX_DIGITS", "MAX_NUMBER_BYTES"]
 
 MAX_DECIMAL_DIGITS = 18  # always fits int64
 MAX_HEX_DIGITS = 16      # always fits uint64
+MAX_NUMBER_BYTES = 64    # a longer decimal number text is a bad value
+_SHORT_TEXT_WORDS = 8    # text values up to 64 bytes are hashed together; longer ones in a second pass
 
 # SWAR ("SIMD within a register"): the bytes of a field are loaded as big-endian uint64
 # words and checked and converted 8 characters per integer operation.
@@ -168,11 +170,13 @@ class CategoricalHasher:
         return int(len(self.vocab_sizes))
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
-        """Hash uint64 ``raw`` of shape ``[n, F]`` to int64 ids in ``[0, V_f)``."""
-        if raw.ndim != 2 or raw.shape[1] != self.num_fields:
-            raise ValueError(f"raw values must be [n, {self.num_fields}], got {raw.shape}")
-        mixed = _mix64(raw.astype(np.uint64, copy=False) ^ self._salt)
-        return (mixed % self.vocab_sizes).astype(np.int64)
+        """Hash uint64 ``raw`` of shape ``[n, F]`` (or ``[n, F, H]``, multi-hot) to int64 ids in ``[0, V_f)``."""
+        if raw.ndim not in (2, 3) or raw.shape[1] != self.num_fields:
+            raise ValueError(f"raw values must be [n, {self.num_fields}] or [n, {self.num_fields}, H], got {raw.shape}")
+        salt, vocab = (self._salt, self.vocab_sizes) if raw.ndim == 2 else \
+            (self._salt[:, None], self.vocab_sizes[:, None])
+        mixed = _mix64(raw.astype(np.uint64, copy=False) ^ salt)
+        return (mixed % vocab).astype(np.int64)
 
 
 def dense_transform(values: np.ndarray, present: np.ndarray | None = None) -> np.ndarray:
@@ -185,3 +189,98 @@ def dense_transform(values: np.ndarray, present: np.ndarray | None = None) -> np
         x = np.where(present, x, 0.0)
     x = np.nan_to_num(x, nan=0.0)
     return np.log1p(x).astype(np.float32)
+
+
+def _hash_words(buf: np.ndarray, ends: np.ndarray, length: np.ndarray, num_words: int) -> np.ndarray:
+    h = _mix64(length.astype(np.uint64) + _U(0x243F6A8885A308D3))
+    for i, word in enumerate(_load_words(buf, ends, num_words)):
+        count = length - 8 * (num_words - 1 - i)  # bytes of the value in this word
+        mixed = _mix64(h ^ (word & _low_bytes_mask(count)))
+        h = np.where(count > 0, mixed, h)  # words before the value leave h alone: the hash ignores num_words
+    return h
+
+
+def hash_text(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each span's bytes (uint64): equal texts, equal hashes, wherever they were read.
+
+    ``hash_text(np.frombuffer(b"ab,ab", np.uint8), np.array([0, 3]), np.array([2, 5]))`` -> two equal values.
+    The empty span has a hash too (callers treat it as missing).
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    length = ends - starts
+    out = np.zeros(len(starts), np.uint64)
+    if len(starts) == 0:
+        return out
+    short = length <= 8 * _SHORT_TEXT_WORDS
+    for part in (short, ~short):
+        if part.any():
+            num_words = max(1, int(-(-int(length[part].max()) // 8)))
+            out[part] = _hash_words(buf, ends[part], length[part], num_words)
+    return out
+
+
+def parse_number(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parse decimal numbers (``-12``, ``3.5``, ``1e-3``): ``values, present, ok = parse_number(buf, s, e)``.
+
+    Returns float64 values (0 where empty or invalid), ``present`` (span not empty) and ``ok``
+    (empty, or a number made of digits, one sign, '.', 'e'/'E'; no spaces, no "nan"/"inf"). Integers take
+    the vectorised path of :func:`parse_decimal`; the other spans are converted by numpy in one call.
+    """
+    ints, present, ok = parse_decimal(buf, starts, ends)
+    values = ints.astype(np.float64)
+    retry = np.flatnonzero(present & ~ok)
+    if len(retry) == 0:
+        return values, present, ok
+    s = np.asarray(starts, dtype=np.int64)[retry]
+    e = np.asarray(ends, dtype=np.int64)[retry]
+    width = int(min((e - s).max(), MAX_NUMBER_BYTES))
+    index = s[:, None] + np.arange(width)
+    inside = index < e[:, None]
+    chars = np.where(inside, np.asarray(buf, np.uint8)[np.minimum(index, len(buf) - 1)], 0).astype(np.uint8)
+    allowed = np.zeros(256, bool)
+    allowed[np.frombuffer(b"0123456789+-.eE", np.uint8)] = True
+    fine = (e - s <= MAX_NUMBER_BYTES) & (allowed[chars] | ~inside).all(axis=1) & \
+        (np.isin(chars, np.frombuffer(b"0123456789", np.uint8))).any(axis=1)
+    text = np.ascontiguousarray(chars).view(f"S{width}").ravel()
+    parsed = np.zeros(len(retry), np.float64)
+    try:
+        parsed[fine] = text[fine].astype(np.float64)
+    except ValueError:  # a malformed one among them ("1.2.3", "1e"): convert one by one to find it
+        for j in np.flatnonzero(fine):
+            try:
+                parsed[j] = float(text[j])
+            except ValueError:
+                fine[j] = False
+    values[retry] = np.where(fine, parsed, 0.0)
+    ok[retry] = fine
+    return values, present, ok
+
+
+def split_spans(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, separator: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split each span at ``separator`` (a byte value) into its non-empty pieces.
+
+    Returns ``(piece_starts, piece_ends, owner, rank)``: piece ``k`` is ``[piece_starts[k], piece_ends[k])``
+    of span ``owner[k]``, its ``rank[k]``-th non-empty piece. ``split_spans(b"a|b||c", [0], [6], ord("|"))``
+    -> pieces a, b, c of span 0 with ranks 0, 1, 2.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    seps = np.flatnonzero(np.asarray(buf, np.uint8) == separator)
+    first = np.searchsorted(seps, starts)
+    inner = np.searchsorted(seps, ends) - first  # separators inside each span
+    pieces = np.where(ends > starts, inner + 1, 0)
+    owner = np.repeat(np.arange(len(starts), dtype=np.int64), pieces)
+    j = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    sep_at = first[owner] + j
+    last_sep = max(len(seps) - 1, 0)
+    safe = seps if len(seps) else np.zeros(1, np.int64)
+    p_start = np.where(j == 0, starts[owner], safe[np.clip(sep_at - 1, 0, last_sep)] + 1)
+    p_end = np.where(j == inner[owner], ends[owner], safe[np.clip(sep_at, 0, last_sep)])
+    keep = p_end > p_start
+    p_start, p_end, owner = p_start[keep], p_end[keep], owner[keep]
+    counts = np.bincount(owner, minlength=len(starts))
+    rank = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return p_start, p_end, owner, rank

@@ -38,7 +38,11 @@ def owned_rows(row_index: np.ndarray, rank: int, world_size: int, start_row: int
 
 @dataclass(frozen=True, eq=False)  # tensors/arrays have no single-bool ==
 class RowBlock:
-    """Good rows of one chunk: labels ``[n]``, dense ``[n, D]``, present/ids ``[n, F]``, row_index ``[n]``."""
+    """Good rows of one chunk: labels ``[n]``, dense ``[n, D]``, present/ids ``[n, F]``, row_index ``[n]``.
+
+    Multi-hot rows: ``ids`` is ``[n, F, H]`` and ``present`` holds int counts ``[n, F]`` (the first
+    ``present[i, f]`` entries of ``ids[i, f]`` are the row's values).
+    """
 
     labels: np.ndarray
     dense: np.ndarray
@@ -54,8 +58,17 @@ class RowBlock:
         """Rows of all blocks in order: ``RowBlock.concat([a, b])``."""
         if len(blocks) == 1:
             return blocks[0]
+        if any(b.ids.ndim == 3 for b in blocks):
+            blocks = [b.multi_hot(max(b.ids.shape[2] if b.ids.ndim == 3 else 1 for b in blocks)) for b in blocks]
         return RowBlock(*(np.concatenate([getattr(b, name) for b in blocks])
                           for name in ("labels", "dense", "present", "ids", "row_index")))
+
+    def multi_hot(self, width: int) -> "RowBlock":
+        """The same rows with ``ids [n, F, width]`` and int counts: ``block.multi_hot(3)`` (for concatenation)."""
+        ids = self.ids if self.ids.ndim == 3 else self.ids[:, :, None]
+        if ids.shape[2] < width:
+            ids = np.concatenate([ids, np.zeros((*ids.shape[:2], width - ids.shape[2]), ids.dtype)], axis=2)
+        return RowBlock(self.labels, self.dense, self.present.astype(np.int64), ids, self.row_index)
 
     def rows(self, start: int, end: int) -> "RowBlock":
         """Rows ``[start, end)`` as views: ``block.rows(0, 4096)``."""
@@ -65,7 +78,11 @@ class RowBlock:
     def to_batch(self) -> CTRBatch:
         """The rows as a CTRBatch; a missing categorical value becomes a length-0 entry."""
         present_fm = self.present.T  # field-major, like KeyedJaggedTensor
-        values = self.ids.T[present_fm]
+        if self.ids.ndim == 3:  # multi-hot: the first `count` ids of each row and field
+            ids_fm = self.ids.transpose(1, 0, 2)
+            values = ids_fm[np.arange(ids_fm.shape[2]) < present_fm[:, :, None]]
+        else:
+            values = self.ids.T[present_fm]
         return CTRBatch(
             dense=torch.from_numpy(np.ascontiguousarray(self.dense, dtype=np.float32)),
             values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
