@@ -51,6 +51,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-files", nargs="*", default=[], help="Criteo TSV or parquet files (--data criteo|parquet)")
     p.add_argument("--eval-files", nargs="*", default=[], help="held-out files (--data criteo|parquet)")
     p.add_argument("--max-bad-fraction", type=float, default=0.01, help="bad rows tolerated before failing")
+    p.add_argument("--schema", default=None, metavar="FILE.json|criteo",
+                   help="the files' columns (label, categorical, dense; header, delimiter, multi-hot separators): a "
+                        "JSON data schema (picasso_ops.data.schema.DataSchema, docs/rec_job.md) or a preset name; "
+                        "default: the Criteo layout. --data criteo reads TSV/CSV text with it")
     p.add_argument("--fields", type=int, default=None, help="categorical fields (synthetic; default 26)")
     p.add_argument("--vocab", type=int, default=2000, help="rows per field (synthetic) or hash buckets (files)")
     p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of the synthetic ids (default 1.1)")
@@ -111,7 +115,8 @@ def _synthetic_flags(args: argparse.Namespace) -> dict[str, Any]:
 
         flags = ", ".join(SYNTHETIC_ONLY_FLAGS[name] for name in given)
         raise RecJobError(f"{flags}: shape the synthetic stream only, and --data {args.data} reads the files "
-                          f"(their {FILE_FIELDS} categorical and {FILE_DENSE} dense columns, held-out rows from "
+                          f"(their categorical and dense columns: --schema's, by default Criteo's {FILE_FIELDS} and "
+                          f"{FILE_DENSE}; held-out rows from "
                           f"--eval-files); drop {'it' if len(given) == 1 else 'them'}")
     return given
 
@@ -128,7 +133,8 @@ def job_config(args: argparse.Namespace) -> RecJobConfig:
         resume=args.resume, seed=args.seed,
         threads=args.threads, stragglers=tuple(stragglers), server_tables=args.server_tables,
         rejoin_as=args.rejoin_as, crash=crash, ps_link_latency_ms=args.ps_link_latency_ms,
-        ps_link_mbit=args.ps_link_mbit, epochs=args.epochs)
+        ps_link_mbit=args.ps_link_mbit, epochs=args.epochs,
+        schema=args.schema)
     config.synthetic_config()  # a value the synthetic stream refuses names its flag here, not in pydantic's words
     return config
 

@@ -18,6 +18,7 @@ from sparse_scale.config import JobConfig, load_config
 from sparse_scale.rec.faults import Crash, Straggler
 
 if TYPE_CHECKING:
+    from picasso_ops.data.schema import DataSchema
     from picasso_ops.data.synthetic import SyntheticConfig
 
 DataKind = Literal["synthetic", "criteo", "parquet"]
@@ -72,6 +73,20 @@ def _synthetic_error(config: "RecJobConfig", err: Any, model: Any) -> str:
     return f"{flag} {getattr(config, attr)}: {text} (the synthetic stream's {where})"
 
 
+def _load_schema(source: str, data: str) -> "DataSchema":
+    """``--schema``'s data schema (a file or a preset name); refused with synthetic data, errors as RecJobError."""
+    from picasso_ops.data.schema import DataSchema
+    from sparse_scale.base.config_file import ConfigError
+
+    if data == "synthetic":
+        raise RecJobError(f"--schema {source}: describes the columns of --train-files and --eval-files, and --data "
+                          "synthetic reads none; pass --data criteo (TSV/CSV) or --data parquet")
+    try:
+        return DataSchema.load(source)
+    except ConfigError as exc:
+        raise RecJobError(f"--schema {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RecJobConfig:
     """Every option of a recommender training job (one field per ``sparse-train-rec`` flag).
@@ -92,6 +107,7 @@ class RecJobConfig:
     train_files: tuple[str, ...] = ()
     eval_files: tuple[str, ...] = ()
     max_bad_fraction: float = 0.01
+    schema: str | None = None  # --schema: a data schema file or preset (file data; None: the Criteo layout)
     fields: int = 26  # synthetic only
     vocab: int = 2000  # rows per field (synthetic) or hash buckets (files)
     zipf: float = 1.1
@@ -114,6 +130,7 @@ class RecJobConfig:
     ps_link_mbit: float = 0.0  # modelled bandwidth to the parameter servers, Mbit/s (0: unlimited)
     epochs: int = 1  # passes over the training files (file data only); --steps stays an upper bound
     loaded: JobConfig | None = dataclasses.field(default=None, compare=False, repr=False)
+    loaded_schema: "DataSchema | None" = dataclasses.field(default=None, compare=False, repr=False)  # --schema's
 
     def __post_init__(self) -> None:
         if self.data not in DATA_KINDS:
@@ -149,6 +166,14 @@ class RecJobConfig:
         object.__setattr__(self, "stragglers", tuple(self.stragglers))
         if self.loaded is None:
             object.__setattr__(self, "loaded", load_config(self.config))
+        if self.schema is not None and self.loaded_schema is None:
+            object.__setattr__(self, "loaded_schema", _load_schema(self.schema, self.data))
+
+    def data_schema(self) -> "DataSchema":
+        """The columns of the training and held-out files: ``--schema``, else the Criteo layout."""
+        from picasso_ops.data.schema import DataSchema
+
+        return self.loaded_schema if self.loaded_schema is not None else DataSchema.criteo()
 
     def synthetic_config(self) -> "SyntheticConfig | None":
         """The synthetic stream's settings from the flags (None with file data).

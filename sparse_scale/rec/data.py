@@ -294,7 +294,10 @@ class ClaimedBatches:
 
 def file_reader(job: RecJob, files: Sequence[str], start_row: int, shard: int | None = None,
                 sharded: bool = True) -> Any:
-    """A Criteo TSV or parquet reader of ``files`` from ``start_row``: shard ``shard`` (default this rank's) or all."""
+    """A TSV/CSV or parquet reader of ``files`` from ``start_row``: shard ``shard`` (default this rank's) or all.
+
+    The files' columns follow ``--schema`` (default: the Criteo layout).
+    """
     if not files:
         raise RecJobError(f"--data {job.config.data} needs --train-files and --eval-files")
     from picasso_ops.data.criteo import CriteoTSVReader
@@ -303,7 +306,7 @@ def file_reader(job: RecJob, files: Sequence[str], start_row: int, shard: int | 
     cls = CriteoTSVReader if job.config.data == "criteo" else ParquetCTRReader
     rank, world = (job.rank if shard is None else shard, job.workers) if sharded else (0, 1)
     return cls(list(files), job.micro_batch, vocab_sizes=job.config.vocab, rank=rank, world_size=world,
-               start_row=start_row, max_bad_fraction=job.config.max_bad_fraction)
+               start_row=start_row, max_bad_fraction=job.config.max_bad_fraction, schema=job.config.data_schema())
 
 
 def prefetched(stream: Any, depth: int, rank: int) -> Any:

@@ -61,7 +61,8 @@ class RecJob:
                                         num_dense=config.num_dense, seed=config.seed)
             vocab_sizes, num_dense = synthetic.field_vocab_sizes(), config.num_dense
         else:
-            vocab_sizes, num_dense = [config.vocab] * FILE_FIELDS, FILE_DENSE
+            schema = config.data_schema()  # the files' columns: --schema, else Criteo's FILE_FIELDS and FILE_DENSE
+            vocab_sizes, num_dense = [config.vocab] * schema.num_categorical, schema.num_dense
         shape = DLRMArgs if config.model == "dlrm" else WideAndDeepArgs
         return cls(config=config, rank=rank, workers=workers, ds=ds,
                    micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 256)),
