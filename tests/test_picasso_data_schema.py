@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from picasso_ops.data import CriteoTSVReader, DataError, DataSchema, ParquetCTRReader
+from picasso_ops.data import CriteoTSVReader, CTRBatch, DataError, DataSchema, ParquetCTRReader
 from picasso_ops.data.values import DENSE_LIMIT, check_dense
 from sparse_scale.base.config_file import ConfigError
 from tests.test_data_files import M64, assert_same, py_hash, py_mix64, random_rows, to_parquet, write_tsv
@@ -178,6 +178,27 @@ def test_parquet_copy_gives_identical_batches(tmp_path, multi):
     assert len(tsv) == len(par) == 4
     for a, b in zip(tsv, par):
         assert_same(a, b)
+
+
+def test_parquet_list_column_is_multi_hot_and_row_ranges_keep_it(tmp_path):
+    from picasso_ops.data.row_range import RowRangeReader
+
+    rows = user_rows(40, seed=6, multi=True)
+    spec = schema(categorical=[*CATS[:9], {"column": "c9", "separator": "|"}])
+    path = write_parquet(tmp_path / "u.parquet", rows)
+    table = pq.read_table(path)
+    genres = pa.array([[g for g in r["c9"].split("|") if g] or None for r in rows], pa.list_(pa.string()))
+    pq.write_table(table.set_column(table.schema.get_field_index("c9"), "c9", genres), tmp_path / "l.parquet",
+                   row_group_size=16)
+    text = write_text(tmp_path / "u.tsv", rows)
+    expected = list(CriteoTSVReader(text, 40, vocab_sizes=97, schema=spec))
+    listed = list(ParquetCTRReader(tmp_path / "l.parquet", 40, vocab_sizes=97, schema=schema(), read_rows=7))
+    assert len(expected) == len(listed) == 1
+    assert_same(expected[0], listed[0])
+    # numbered row ranges (gba) cross chunks of different widths: the same rows as one pass
+    ranges = RowRangeReader(lambda start: CriteoTSVReader(text, 8, vocab_sizes=97, schema=spec, start_row=start,
+                                                          chunk_bytes=300))
+    assert_same(CTRBatch.concat([ranges.rows(0, 17), ranges.rows(17, 40)]), expected[0])
 
 
 def test_missing_column_names_the_column_and_the_file(tmp_path):

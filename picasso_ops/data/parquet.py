@@ -4,7 +4,8 @@ Columns come from a :class:`~picasso_ops.data.schema.DataSchema` (by name, or by
 the file); the default is the Criteo layout: ``label`` (0/1; integer, float or bool), ``I1..I13``
 (integers or floats; null/NaN = missing, +-inf or a magnitude above ``values.DENSE_LIMIT`` = a bad
 row, as in a TSV file; decimal strings are parsed too) and ``C1..C26`` (hex strings as in the TSV
-files, or integers; null or "" = missing). With ``categorical_values: "text"`` a string column is
+files, or integers; null or "" = missing; a list column of either is multi-hot, as a text column with a
+separator). With ``categorical_values: "text"`` a string column is
 hashed from its text and an integer column from its decimal text, as the TSV reader hashes the same
 field. The values go through the same checks, transforms and hash as `CriteoTSVReader`, so a
 parquet copy of a TSV/CSV file gives identical batches.
@@ -43,7 +44,7 @@ import pyarrow.parquet as pq
 from .quality import BadRow, DataError
 from .rows import RowBlock, ShardedRowReader, owned_rows
 from .schema import DataSchema
-from .values import check_dense, decode_categorical, decode_dense, dense_problem, stack_categorical
+from .values import check_dense, decode_categorical, decode_dense, dense_problem, pack_values, stack_categorical
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ def _text_spans(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         valid = arr.is_valid().to_numpy(zero_copy_only=False)
         ends = np.where(valid, ends, starts)
     return data, starts, ends
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 def _numeric(arr: pa.Array) -> np.ndarray:
@@ -186,7 +191,8 @@ class ParquetCTRReader(ShardedRowReader):
             elif col in dense:
                 allowed = numeric or _is_text(t) or pa.types.is_null(t)
             else:
-                allowed = pa.types.is_integer(t) or _is_text(t) or pa.types.is_null(t)
+                item = _value_type(t.value_type) if _is_list(t) else t  # a list column: multi-hot
+                allowed = pa.types.is_integer(item) or _is_text(item) or pa.types.is_null(item)
             if not allowed:
                 raise DataError(f"{path}: column {col!r} has unsupported type {t}")
         return label, dense, cats
@@ -234,6 +240,11 @@ class ParquetCTRReader(ShardedRowReader):
     def _categorical(self, arr: pa.Array, separator: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One categorical column as :func:`~picasso_ops.data.values.decode_categorical` gives it."""
         n, kind = len(arr), self.schema.categorical_values
+        if _is_list(arr.type):  # multi-hot as a list column: its null or empty items are skipped
+            counts = arr.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            item_raw, item_present, item_ok = self._categorical(arr.flatten(), None)
+            owner = np.repeat(np.arange(n, dtype=np.int64), counts)[item_present]
+            return pack_values(item_raw[item_present], item_ok[item_present], owner, n)
         if pa.types.is_null(arr.type):
             raw, counts, ok = np.zeros(n, np.uint64), np.zeros(n, bool), np.ones(n, bool)
         elif _is_text(_value_type(arr.type)) or kind == "text":  # text: an integer hashes as its decimal text
@@ -267,7 +278,8 @@ class ParquetCTRReader(ShardedRowReader):
         separators = spec.separators
         raw, cat_present, cat_ok = stack_categorical(
             [self._categorical(rb.column(name), sep) for name, sep in zip(layout.categorical, separators)],
-            multi_hot=any(sep is not None for sep in separators))
+            multi_hot=any(sep is not None for sep in separators) or any(
+                _is_list(rb.schema.field(name).type) for name in layout.categorical))
         good = label_ok & dense_ok.all(axis=1) & cat_ok.all(axis=1)
         num_bad = int((~good).sum())
         self.tracker.record(n, num_bad, lambda k: self._describe_bad(k, rb, row_index, layout, good, label_ok,

@@ -20,7 +20,7 @@ from .parsing import dense_transform, hash_text, parse_decimal, parse_hex, parse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DENSE_LIMIT", "check_dense", "dense_problem", "decode_dense", "decode_categorical",
+__all__ = ["DENSE_LIMIT", "check_dense", "dense_problem", "decode_dense", "decode_categorical", "pack_values",
            "stack_categorical"]
 
 # The largest dense magnitude used: an 18-digit integer (the longest a text field may hold as an integer) is
@@ -87,14 +87,21 @@ def decode_categorical(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, se
     """
     if separator is None:
         return _parse_categorical(buf, starts, ends, values)
-    p_start, p_end, owner, rank = split_spans(buf, starts, ends, ord(separator))
+    p_start, p_end, owner, _ = split_spans(buf, starts, ends, ord(separator))
     piece_raw, _, piece_ok = _parse_categorical(buf, p_start, p_end, values)
-    n = len(starts)
+    return pack_values(piece_raw, piece_ok, owner, len(starts))
+
+
+def pack_values(raw: np.ndarray, ok: np.ndarray, owner: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values of ``n`` rows, value ``k`` belonging to row ``owner[k]`` (``owner`` sorted), as multi-hot
+    ``(raw [n, H], counts [n], ok [n])``: ``pack_values(np.array([7, 8, 9]), ok, np.array([0, 0, 2]), 3)``
+    -> raw ``[[7, 8], [0, 0], [9, 0]]``, counts ``[2, 0, 1]``."""
     counts = np.bincount(owner, minlength=n).astype(np.int64)
-    raw = np.zeros((n, max(1, int(counts.max()) if n else 1)), np.uint64)
-    raw[owner, rank] = piece_raw
-    ok = np.bincount(owner, weights=~piece_ok, minlength=n) == 0
-    return raw, counts, ok
+    rank = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    packed = np.zeros((n, max(1, int(counts.max()) if n else 1)), np.uint64)
+    packed[owner, rank] = raw
+    row_ok = np.bincount(owner, weights=~np.asarray(ok, bool), minlength=n) == 0
+    return packed, counts, row_ok
 
 
 def stack_categorical(columns: list[tuple[np.ndarray, np.ndarray, np.ndarray]], multi_hot: bool
