@@ -153,6 +153,27 @@ def test_csv_and_positions_read_the_same_rows(tmp_path):
         assert_same(a, d)
 
 
+def _row_ids(batches) -> list[int]:
+    return [round(math.expm1(float(v))) for b in batches for v in b.dense[:, 0].double()]  # d0 = the row id
+
+
+def test_header_files_shard_and_resume_by_data_row(tmp_path):
+    files = [write_text(tmp_path / "a.csv", user_rows(23), delimiter=","),
+             write_text(tmp_path / "b.csv", user_rows(18), delimiter=",")]
+    spec = schema(delimiter="comma")
+    whole = CriteoTSVReader(files, 5, schema=spec)
+    assert whole.total_rows() == 41  # header lines are no rows
+    ids = _row_ids(whole)
+    assert ids == list(range(23)) + list(range(18))
+    for rank in range(2):  # row i of the data (headers not counted) goes to rank i % 2
+        assert _row_ids(CriteoTSVReader(files, 5, schema=spec, rank=rank, world_size=2)) == ids[rank::2]
+    reader = CriteoTSVReader(files, 5, schema=spec)
+    it = iter(reader)
+    head = [next(it) for _ in range(6)]  # 30 rows: into the second file
+    resumed = CriteoTSVReader(files, 5, schema=spec, start_row=reader.state()["next_row"])
+    assert _row_ids(head) + _row_ids(resumed) == ids
+
+
 def test_multi_hot_separator(tmp_path):
     rows = user_rows(30, seed=2, multi=True)
     spec = schema(categorical=[*CATS[:9], {"column": "c9", "separator": "|"}])
