@@ -93,6 +93,13 @@ class GBAConfig(StrictBlock):
     grads_per_update: PositiveInt | None = Field(
         None, description="Gradients the servers aggregate per update (M); None: one per worker, i.e. the sync "
                           "global batch, which is GBA's tuning-free setting; 1 is plain asynchronous PS training.")
+    sync_tables: Literal["workers", "servers"] = Field(
+        "workers", description='Where the server tables\' rows live during the sync phases of mode "auto": '
+                               '"workers" (each worker holds every row with its row optimizer, the rows\' gradients '
+                               'are all-gathered over the workers, and the tables are handed to the servers at a '
+                               'switch to gba and back at the return, as the dense part is) or "servers" (every '
+                               'step pulls and pushes its rows through the servers; for tables too large for a '
+                               'worker). Other modes keep the rows on the servers.')
     control_file: str | None = Field(
         None, description="Where the first server writes HOST:PORT of the control plane, for a restarted worker to "
                           "rejoin (gba_engine.rejoin); None: not written (the address is still logged by the first "

@@ -31,14 +31,16 @@ from .commands import ServerCommands
 from .config import GBAConfig
 from .gather import gather_live
 from .phases import GBAPhase, Phase, SwitchPolicy, SyncPhase, WorkerContext, position_scheduler, start
-from .protocol import (FLAG, Leave, LoadShards, decode_float, decode_stats, done_key, encode_float,
+from .protocol import (FLAG, Leave, LoadShards, SaveShards, decode_float, decode_stats, done_key, encode_float,
                        rate_key, stats_key)
 from .ps import OptimizerSpec, PSClient, PSRuntime
+from .ps.schedule import ServerLRSchedule
 from .ps.sharding import ServerTableSpec
 from .row_cache import ServerRowCache
 from .step_clock import PeerWaits
 from .switch import state_from_deepspeed, state_into_deepspeed
 from .sync_faults import ServerWatch, explain_collective_failure
+from .worker_tables import WorkerTables, tables_from_servers, tables_to_servers
 
 if TYPE_CHECKING:
     from picasso_ops.config import CacheConfig
@@ -62,7 +64,8 @@ class GBAEngine:
     def __init__(self, rt: PSRuntime, gba: GBAConfig, spec: OptimizerSpec, ds_engine, module: torch.nn.Module,
                  micro: int, gas: int, server_stats: dict | None = None,
                  tables: list[ServerTableSpec] | None = None, joined_phase: int | None = None,
-                 row_cache: "CacheConfig | None" = None, on_close: Sequence[Callable[[], None]] = ()) -> None:
+                 row_cache: "CacheConfig | None" = None, on_close: Sequence[Callable[[], None]] = (),
+                 table_schedule: ServerLRSchedule | None = None) -> None:
         self.rt, self.gba, self.spec, self.ds_engine, self.module = rt, gba, spec, ds_engine, module
         self._on_close = tuple(on_close)  # the job's guards on this rank (collective_guard.py), ended by close()
         self.tables = list(tables or [])
@@ -83,6 +86,10 @@ class GBAEngine:
                  if row_cache is not None and self.tables else None)
         self.ctx = WorkerContext(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=module, tables=self.tables,
                                  micro_batch=micro, gas=gas, row_cache=cache)
+        if gba.mode == "auto" and gba.sync_tables == "workers" and self.tables and ds_engine is not None \
+                and joined_phase is None:  # sync phases keep the rows on the workers (worker_tables.py)
+            self.ctx.worker_tables = WorkerTables(self.tables, spec, rt.layout.num_servers, table_schedule)
+            self.ctx.tables_here = True
         self.phase, self.policy = start(self.ctx)
         # DeepSpeed's collectives are waits on peers, not this worker's time (step_clock.py)
         self._peer_waits = (PeerWaits.attach(self.ctx.clock, on_error=self._collective_failed)
@@ -351,10 +358,13 @@ class GBAEngine:
         """Take the servers' state back into DeepSpeed (collective over the workers) and continue in sync."""
         t0 = time.perf_counter()
         state = self.phase.hand_back()
+        nbytes = state.nbytes
+        if self.ctx.worker_tables is not None:  # the rows, with their optimizer state, back to the workers
+            nbytes += tables_from_servers(self.ctx)
         self.phase = SyncPhase(self.ctx)
         self.phase.adopt(state)
         self.policy.on_entered("sync")
-        self._record_switch("gba", t0, state.nbytes, reason)
+        self._record_switch("gba", t0, nbytes, reason)
         self.ctx.clock.restart()
 
     def _record_switch(self, src: str, t0: float, nbytes: int, reason: str) -> None:
@@ -382,7 +392,11 @@ class GBAEngine:
             st = state_from_deepspeed(self.ds_engine, self.spec, ctx.version)  # collective over the workers
             if ctx.is_first:
                 save_worker_state(st, folder)
-        if ctx.is_first and (ctx.truth == "servers" or self.tables):
+        if ctx.tables_here:  # rows on the workers: the servers save the copy the first worker hands them now
+            if ctx.is_first:
+                tables_to_servers(ctx, keep=True)
+                ctx.commands.wait_acks(ctx.commands.send(SaveShards(path=str(folder))))
+        elif ctx.is_first and (ctx.truth == "servers" or self.tables):
             # sync: the servers save once the rows hold the last global batch (every worker has pushed it)
             ctx.commands.save_during_phase(str(folder), min_version=ctx.version if isinstance(self.phase, SyncPhase) else 0)
         if ctx.is_first:
@@ -415,10 +429,13 @@ class GBAEngine:
             ctx.version, ctx.truth = st.version, "workers"
             if self.tables:
                 self._load_on_servers(folder)
+                if ctx.worker_tables is not None and isinstance(self.phase, SyncPhase):
+                    tables_from_servers(ctx)  # the restored rows to the workers, who hold them in sync phases
                 if isinstance(self.phase, SyncPhase):
                     self.phase.open()
             return str(folder), load_client_state(folder)
         self._load_on_servers(folder)
+        ctx.tables_here = False  # the restored rows are on the servers (switch_to_sync brings them to the workers)
         ctx.version, ctx.truth = int(meta["version"]), "servers"
         if isinstance(self.phase, SyncPhase):  # bring the restored state into DeepSpeed
             self.switch_to_gba("restore")

@@ -123,7 +123,8 @@ def initialize(model: torch.nn.Module, config: str | os.PathLike | Mapping[str, 
                                                   model_parameters=model_parameters if model_parameters is not None
                                                   else model.parameters(), **deepspeed_kwargs)
         engine = GBAEngine(rt=rt, gba=gba, spec=spec, ds_engine=ds_engine, module=model, micro=micro, gas=gas,
-                           tables=tables, row_cache=row_cache, on_close=(watch.stop, deadline.restore))
+                           tables=tables, row_cache=row_cache, on_close=(watch.stop, deadline.restore),
+                           table_schedule=server_schedule(ds, spec))
     except BaseException:
         if watch is not None:
             watch.stop()

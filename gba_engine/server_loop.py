@@ -23,15 +23,16 @@ import torch
 from .checkpoint import load_shard, load_tables, save_shard
 from .collective_guard import raise_if_stuck
 from .config import GBAConfig
-from .protocol import (FLAG, Ack, Command, GetState, LoadShards, PutState, SaveRequest, SaveShards, Serve, ack_key,
-                       command_key, decode_command, done_key, encode_stats, exhausted_key, save_done_key,
-                       save_request_key, stats_key)
+from .protocol import (FLAG, Ack, Command, GetState, GetTables, LoadShards, PutState, PutTables, SaveRequest,
+                       SaveShards, Serve, ack_key, command_key, decode_command, done_key, encode_stats, exhausted_key,
+                       save_done_key, save_request_key, stats_key)
 from .ps import OptimizerSpec, ParameterServer, PSRuntime
 from .ps.runtime import Liveness
 from .ps.schedule import ServerLRSchedule
 from .ps.sharding import DenseSharding, ServerTableSpec
 from .switch import TrainState, moment_names, recv_state, send_state, state_from_server, state_into_server, wait_sent
 from .sync_faults import WorkerLostError, lost_worker_record, rank_host
+from .worker_tables import recv_tables, send_tables, wait_tables
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,10 @@ class ServerLoop:
         self.last_save = 0
         self.phase = 0  # gba phases served so far (the engine numbers them the same way)
         self.dense_phase = True
+        self.tables_version: int | None = None  # the version of tables put by the workers (sync phases of auto)
         self.commands = CommandTable({PutState: self._put_state, GetState: self._get_state, Serve: self._serve,
-                                      SaveShards: self._save, LoadShards: self._load})
+                                      SaveShards: self._save, LoadShards: self._load, PutTables: self._put_tables,
+                                      GetTables: self._get_tables})
 
     def _publish(self, live: Mapping | None = None) -> None:
         if live is None:
@@ -204,6 +207,18 @@ class ServerLoop:
         wait_sent(works)
         return None
 
+    def _put_tables(self, command: PutTables, seq: int) -> Ack:
+        """The workers' tables after a sync phase (rows, row optimizer state, steps) replace this shard's."""
+        self.ps.import_tables(recv_tables(command.src, self.rt.ps_group, self.ps.table_views()))
+        self.tables_version = command.version
+        return Ack()
+
+    def _get_tables(self, command: GetTables, seq: int) -> None:
+        works = send_tables(self.ps.table_views(), command.src, self.rt.ps_group)
+        self.rt.store.set(ack_key(seq, self.index), Ack().encode())  # the doorbell: our sends are posted
+        wait_tables(works)
+        return None
+
     def _save(self, command: SaveShards, seq: int) -> Ack:
         save_shard(self.state, command.path, self.index, self.rt.layout.num_servers, tables=self.ps.export_tables())
         return Ack()
@@ -222,10 +237,12 @@ class ServerLoop:
         ps.begin_phase(command.m, dense=command.dense)
         if command.dense:
             self.phase += 1
-            if self.tables and self.state.version != ps.version:
+            tables_at = ps.version if self.tables_version is None else self.tables_version
+            if self.tables and self.state.version != tables_at:
                 logger.warning("server %d: dense state at version %d, tables at %d", self.index, self.state.version,
                                ps.version)
             state_into_server(ps, self.state)
+            self.tables_version = None  # the phase's updates move the tables and the dense part together
         stats = ps.serve(until_version=None)
         if not command.dense:
             self.state.version = ps.version  # the rows' updates are the job's global batches

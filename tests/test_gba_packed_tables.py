@@ -136,6 +136,9 @@ def _launch(rank: int, world_size: int, tmp: str) -> dict:
         "adam_gba": _phase(rank, tmp, "gba", ADAM, max_lead=0),
         "sgd_auto": _phase(rank, tmp, "auto", SGD, force=(2, 4), max_lead=0,
                            switch={"window": 2, "min_dwell_steps": 1, "slow_ratio": 1000.0, "recover_ratio": 999.0}),
+        "sgd_auto_servers": _phase(rank, tmp, "auto", SGD, force=(2, 4), max_lead=0, sync_tables="servers",
+                                   switch={"window": 2, "min_dwell_steps": 1, "slow_ratio": 1000.0,
+                                           "recover_ratio": 999.0}),
         "adagrad_first": _phase(rank, tmp, "sync", ADAGRAD, steps=STEPS // 2, save="ck"),
         "adagrad_resumed": _phase(rank, tmp, "sync", ADAGRAD, steps=STEPS // 2, first_step=STEPS // 2, load="ck"),
     }
@@ -209,12 +212,25 @@ def test_lockstep_gba_packed_tables_equal_one_process(launch):
 
 
 @pytest.mark.soak
-def test_forced_auto_switches_hand_over_the_dense_part_and_keep_the_rows(launch):
+def test_forced_auto_switches_hand_over_the_dense_part_and_the_workers_rows(launch):
     run = launch["w0"]["sgd_auto"]
     assert run["modes"] == ["sync", "sync", "gba", "gba", "sync", "sync"], run["modes"]
     switches = run["summary"]["switches"]
     assert [(e["src"], e["dst"]) for e in switches] == [("sync", "gba"), ("gba", "sync")]
-    dense_numel = run["dense"].numel()  # SGD: no moments; the tables never move
+    dense_numel = run["dense"].numel()  # SGD: no moments, no row state; the rows travel with the dense part
+    table_bytes = sum(t.numel() * 4 for t in run["tables"].values())
+    assert all(e["nbytes"] == dense_numel * 4 + table_bytes for e in switches), switches
+    _assert_matches(run, _reference(SGD))
+    for name in run["tables"]:  # both workers' copies equal after the round trip
+        assert torch.equal(run["tables"][name], launch["w1"]["sgd_auto"]["tables"][name])
+
+
+@pytest.mark.soak
+def test_forced_auto_switches_with_rows_on_the_servers_hand_over_the_dense_part_only(launch):
+    run = launch["w0"]["sgd_auto_servers"]
+    assert run["modes"] == ["sync", "sync", "gba", "gba", "sync", "sync"], run["modes"]
+    switches = run["summary"]["switches"]
+    dense_numel = run["dense"].numel()  # sync_tables "servers": the tables never move
     assert all(e["nbytes"] == dense_numel * 4 for e in switches), switches
     _assert_matches(run, _reference(SGD))
 

@@ -30,6 +30,7 @@ from ..ps.runtime import Liveness
 from ..ps.sharding import ServerTableSpec
 from ..row_cache import ServerRowCache
 from ..step_clock import StepClock
+from ..worker_tables import WorkerTables
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,6 +54,8 @@ class WorkerContext:
     last_batch: int | None = None  # the batch number claim_batches last handed this worker
     pulled_rows: list = dataclasses.field(default_factory=list)  # (table, unique ids, leaf) of this step
     row_cache: ServerRowCache | None = None  # the worker's read cache of server rows (row_cache.py), if configured
+    worker_tables: WorkerTables | None = None  # auto mode: every server table on this worker in sync phases
+    tables_here: bool = False  # whether the tables' rows live on the workers now (worker_tables), not the servers
     ps_bytes: dict = dataclasses.field(default_factory=lambda: {"sent": 0, "received": 0})  # of closed clients
     observer: Observer = None  # type: ignore[assignment]  # set in __post_init__
     commands: ServerCommands = None  # type: ignore[assignment]

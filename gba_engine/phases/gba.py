@@ -31,6 +31,7 @@ from ..protocol import (FLAG, Finished, GetState, Kept, Leave, PhaseEnd, PutStat
 from ..ps import PSClient
 from ..ps.sharding import DenseSharding
 from ..switch import TrainState, moment_names, recv_state, send_state, state_from_deepspeed, wait_sent
+from ..worker_tables import tables_to_servers
 from .base import Phase, WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class GBAPhase(Phase):
                 ctx.commands.wait_acks(ctx.commands.send(PutState(src=ctx.rt.rank)))
                 for works in sends:
                     wait_sent(works)
+            if ctx.tables_here:  # the sync phase's rows, with their optimizer state, to the servers
+                nbytes += tables_to_servers(ctx)
             if ctx.tables and len(ctx.workers) > 1:
                 # The servers take PutState only once the sync phase's tables-only serve has ended (every
                 # goodbye). A worker that pulled for gba before then would land in that phase (a loaded CI

@@ -1,7 +1,10 @@
-"""The sync phase: DeepSpeed's all-reduce over the workers; the servers update only the server tables' rows.
+"""The sync phase: DeepSpeed's all-reduce over the workers; the server tables' rows on the servers or the workers.
 
-Each global batch, every worker pushes its rows' gradients (tables only, no dense part) and the
-servers apply all N at once, so the rows follow the same global batch as the dense model.
+Rows on the servers: each global batch, every worker pushes its rows' gradients (tables only, no
+dense part) and the servers apply all N at once, so the rows follow the same global batch as the
+dense model. Rows on the workers (mode auto, ``gba.sync_tables: "workers"``; ``worker_tables.py``):
+each worker reads its own copy and the rows' gradients are all-gathered over the workers and applied
+as the servers would; the servers are idle until the next switch.
 
 Example::
 
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from ..protocol import Serve
 from ..ps import PSClient
 from ..switch import TrainState, state_into_deepspeed
+from ..sync_faults import explain_collective_failure
 from .base import Phase
 
 
@@ -35,7 +39,7 @@ class SyncPhase(Phase):
     def open(self) -> None:
         """With server tables: the servers serve the rows (no dense part), one update per global batch."""
         ctx = self.ctx
-        if not ctx.tables:
+        if not ctx.tables or ctx.tables_here:  # rows on the workers: nothing for the servers to serve
             return
         if ctx.is_first:
             ctx.commands.send(Serve(m=ctx.num_workers, dense=False))  # acknowledged when the phase ends
@@ -79,6 +83,8 @@ class SyncPhase(Phase):
     def fetch_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Waits for the update of this worker's previous global batch, so every worker reads what sync would."""
         ctx = self.ctx
+        if ctx.tables_here:  # this worker's copy holds every update of the previous global batches
+            return ctx.worker_tables.rows(ids)
         if self.client is None:
             raise RuntimeError("server tables need the parameter servers' client: none is open (after close()?)")
         t0 = time.perf_counter()
@@ -98,12 +104,14 @@ class SyncPhase(Phase):
     def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
         """Pull ahead what the next lookup reads: after this step's update when called before its boundary push."""
         ctx = self.ctx
-        if ctx.row_cache is None or self.client is None:
+        if ctx.row_cache is None or self.client is None or ctx.tables_here:
             return
         ahead = self.token is not None and self.is_boundary()  # the push of this global batch is still to come
         ctx.row_cache.prefetch(self.client, ids, min_version=ctx.version + (1 if ahead else 0))
 
     def table_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tables_here:
+            return self.ctx.worker_tables.rows({table: ids.reshape(-1)})[table].view(*ids.shape, -1)
         if self.client is None:
             raise RuntimeError("no parameter-server client is open: call table_rows during training, before close()")
         # after this worker's last global batch
@@ -114,12 +122,26 @@ class SyncPhase(Phase):
         ctx = self.ctx
         if not ctx.tables:
             return
+        if ctx.tables_here:
+            self._step_worker_tables()
+            return
         if self.token is None:  # no lookup this step: the servers still count this worker's share of the batch
             self.token = self.client.pull({}, dense=False, min_version=ctx.version).token
         ids, rows = ctx.take_row_grads()
         with ctx.clock.blocked():  # the servers apply the batch once every worker pushed
             self.client.push(None, ids, rows, self.token, num_samples=ctx.local_samples)
         self.token = None
+
+    def _step_worker_tables(self) -> None:
+        """The global batch's update of the workers' tables: row gradients all-gathered, applied as the servers would."""
+        ctx = self.ctx
+        ids, rows = ctx.take_row_grads()
+        try:
+            with ctx.clock.blocked():  # the exchange waits on the peers; the update itself is short
+                ctx.worker_tables.step(ids, rows, ctx.version, ctx.local_samples, ctx.rt.worker_group)
+        except RuntimeError as exc:  # gloo's errors; a lost peer is named
+            explain_collective_failure(ctx.rt, ctx.worker_live, "all_gather of the tables' row gradients", exc)
+            raise
 
 
 def position_scheduler(ds_engine, version: int) -> None:

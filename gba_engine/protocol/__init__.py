@@ -65,15 +65,17 @@ from .keys import (DECAYED_EVENT, DROPPED_EVENT, MODE_IS_GBA_EVENT, SWITCH_MBYTE
                    save_request_key, staleness_event, stats_key, step_time_key, store_address_key, stuck_key,
                    version_key, worker_lost_key)
 from .messages import (COMMANDS, FLAG, AbortRecord, Ack, Command, ControlMessageError, DoorbellMessage, Finished,
-                       GetState, Kept, LayoutRecord, Leave, LoadShards, PhaseEnd, PutState, SaveRequest, SaveShards,
-                       Serve, StepTime, StoreAddress, StuckRecord, decode_command, decode_float, decode_int,
+                       GetState, GetTables, Kept, LayoutRecord, Leave, LoadShards, PhaseEnd, PutState, PutTables,
+                       SaveRequest, SaveShards, Serve, StepTime, StoreAddress, StuckRecord, decode_command, decode_float,
+                       decode_int,
                        decode_object, decode_stats, encode_command, encode_float, encode_int, encode_object,
                        encode_stats)
 
 __all__ = [
     "AbortRecord", "Ack", "COMMANDS", "Command", "ControlMessageError", "DECAYED_EVENT", "DROPPED_EVENT",
-    "DoorbellMessage", "FLAG", "Finished", "GetState", "Kept", "LayoutRecord", "Leave", "LoadShards",
-    "MODE_IS_GBA_EVENT", "PhaseEnd", "PutState", "SWITCH_MBYTES_EVENT", "SWITCH_SECONDS_EVENT", "SaveRequest",
+    "DoorbellMessage", "FLAG", "Finished", "GetState", "GetTables", "Kept", "LayoutRecord", "Leave",
+    "LoadShards", "MODE_IS_GBA_EVENT", "PhaseEnd", "PutState", "PutTables", "SWITCH_MBYTES_EVENT",
+    "SWITCH_SECONDS_EVENT", "SaveRequest",
     "SaveShards", "Serve", "StepTime", "StoreAddress", "StuckRecord", "abort_key", "ack_key", "claims_base_key",
     "claims_counter_key", "closed_key", "command_key", "decode_command", "decode_float", "decode_int",
     "decode_object", "decode_stats", "done_key", "encode_command", "encode_float", "encode_int", "encode_object",

@@ -309,8 +309,29 @@ class LoadShards:
     path: str
 
 
-Command = Union[PutState, GetState, Serve, SaveShards, LoadShards]
-COMMANDS: dict[str, type] = {c.op: c for c in (PutState, GetState, Serve, SaveShards, LoadShards)}
+@dataclasses.dataclass(frozen=True)
+class PutTables:
+    """Servers: receive every server table's shard (rows, row optimizer state, step count) from worker rank ``src``.
+
+    The tables were trained on the workers up to update ``version`` (a sync phase of mode auto).
+    """
+
+    op: ClassVar[str] = "put_tables"
+    src: int
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GetTables:
+    """Servers: send every server table's shard to worker rank ``src`` (acknowledged once the sends are posted)."""
+
+    op: ClassVar[str] = "get_tables"
+    src: int
+
+
+Command = Union[PutState, GetState, Serve, SaveShards, LoadShards, PutTables, GetTables]
+COMMANDS: dict[str, type] = {c.op: c for c in (PutState, GetState, Serve, SaveShards, LoadShards, PutTables,
+                                               GetTables)}
 
 
 def encode_command(command: Command) -> str:

@@ -301,6 +301,10 @@ class ParameterServer:
         """
         return {name: table.state_dict() for name, table in self._tables.items()}
 
+    def table_views(self) -> dict[str, dict]:
+        """Every table shard's live tensors and step count, keyed as :meth:`export_tables` (no copy: shapes, sends)."""
+        return {name: {"weight": t.weight, **t._state_tensors(), "steps": t.steps} for name, t in self._tables.items()}
+
     def import_tables(self, tables: Mapping[str, dict]) -> None:
         """Install :meth:`export_tables` output; the table names must be exactly this server's."""
         if set(tables) != set(self._tables):
