@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from sparse_scale.base.blocks import StrictBlock
 
@@ -47,6 +47,13 @@ class SparseOptimizerConfig(StrictBlock):
     beta2: float = Field(0.999, ge=0.0, lt=1.0,
                          description="Decay rate of lazy adam's second-moment (squared gradient) estimate per step "
                                      "(only adam reads it).")
+    weight_decay: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False,
+        description="Decoupled weight decay of the embedding rows a step touches (AdamW's form, lazy like the "
+                    "moments): each touched row is first scaled by 1 - lr x weight_decay, then updated (for sgd the "
+                    "same as an L2 penalty of weight_decay / 2 x w**2); untouched rows do not decay. 0 (default): "
+                    "off. lr x weight_decay must stay below 1. The fused C++/Triton kernels take no decay: with it "
+                    "the packs update through the torch path (same formulas).")
 
 
 class CacheConfig(StrictBlock):
@@ -78,9 +85,9 @@ class InterleaveConfig(StrictBlock):
     training data up to N batches ahead of the step (``picasso_ops.data.prefetch``; 0, the default: off,
     the loop reads each batch itself). Training sees the same batches in the same order either way, so
     the weights are the same bit for bit, and checkpoints record the position of the batches consumed.
-    Off by default because the producer thread needs a core the step leaves idle: on the shared 2-core
-    machine train_rec ran at 0.86x with 2 (benchmarks/RESULTS.md, "Data prefetch in train_rec"); turn it
-    on where a core is free during the step (GPU hosts, CPU hosts with cores to spare).
+    Off by default because the producer thread needs a core the step leaves idle, which a 2-core host
+    does not have (benchmarks/RESULTS.md, "Data prefetch in train_rec"); turn it on where a core is free
+    during the step (GPU hosts, CPU hosts with cores to spare).
     """
 
     micro_batches: PositiveInt = Field(
@@ -99,9 +106,14 @@ class PicassoConfig(StrictBlock):
         True, description="Pack tables that can share a kernel (same dtype, optimizer settings, pooling kind and "
                           "dim) into one buffer with one fused lookup and one fused backward + update per pack; "
                           "false: one pack per table (same results, more kernel calls).")
-    sharding: Literal["data_parallel", "row_wise"] = Field(
+    sharding: Literal["data_parallel", "row_wise", "auto"] = Field(
         "data_parallel", description='How tables span ranks: "data_parallel" replicates every table on every rank, '
-                                     '"row_wise" spreads each table\'s rows over the ranks (no cache then).')
+                                     '"row_wise" spreads each table\'s rows over the ranks (no cache then), "auto" '
+                                     'lets the planner choose per table from its size and the batch\'s expected '
+                                     'unique ids (picasso_ops.distributed.planner; the plan is logged at start).')
+    table_sharding: dict[str, Literal["data_parallel", "row_wise"]] = Field(
+        {}, description='With sharding "auto": placements that win over the planner\'s, keyed by table name (e.g. '
+                        '"emb3") or field index ("3": every table of field 3), each "data_parallel" or "row_wise".')
     embedding_dim: PositiveInt = Field(
         16, description="Width of each field's deep embedding vector, in values per row (wide-and-deep's wide "
                         "weights stay at width 1).")
@@ -119,3 +131,14 @@ class PicassoConfig(StrictBlock):
                              '"warn" looks the id up as row 0 (FBGEMM\'s WARNING) and "clamp" as the nearest valid '
                              'row, both logged once per table and counted in the summary (data-parallel tables '
                              'without a cache or gba block only).')
+
+    @model_validator(mode="after")
+    def _table_sharding_needs_auto(self) -> "PicassoConfig":
+        if self.table_sharding and self.sharding != "auto":
+            keys = sorted(self.table_sharding)
+            raise ValueError(f'table_sharding {keys} applies with sharding "auto" only; sharding is '
+                             f'"{self.sharding}" (set "sharding": "auto" or drop table_sharding)')
+        bad = [k for k in self.table_sharding if not k or "." in k or k != k.strip()]
+        if bad:
+            raise ValueError(f"table_sharding keys must be table names or field indices, got {bad}")
+        return self

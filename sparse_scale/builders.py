@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from sparse_scale.base.config_file import ConfigError
 from sparse_scale.config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def table_optimizer(block: Any) -> Any:
 
 def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig, vocab_sizes: Sequence[int], *,
                       dim: int | None = None, pooling: str = "sum", init_std: float = 0.01, prefix: str = "emb",
-                      seed: int = 0, workdir: str | os.PathLike | None = None) -> nn.Module:
+                      seed: int = 0, workdir: str | os.PathLike | None = None, ids_per_field: float = 1.0,
+                      unique_ids: Mapping[str, float] | None = None) -> nn.Module:
     """One table per field, as the config's ``picasso`` block (and ``gba`` block) says; ``forward`` gives ``[B, F, dim]``.
 
     ``forward(values, lengths)`` takes the field-major jagged batch (``lengths [F, B]``; a torchrec
@@ -74,7 +76,11 @@ def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig,
     * a ``gba`` block: ``gba_engine.packed_tables.ServerPackedFieldEmbeddings`` (rows and their
       optimizer on the parameter servers; a ``cache`` with ``store: "ps"`` becomes the engine's row cache);
     * else ``picasso.sharding`` ``"data_parallel"`` (every rank holds every row; with a ``cache``, a
-      hot-row cache over the block's store, files under ``workdir``) or ``"row_wise"``.
+      hot-row cache over the block's store, files under ``workdir``) or ``"row_wise"``;
+    * ``"auto"``: each table placed by the sharding planner (``sparse_scale.planned_tables``; the plan,
+      logged once on rank 0, comes from the tables' sizes, the world size, the config's
+      ``train_micro_batch_size_per_gpu`` and ``ids_per_field`` or ``unique_ids``, table name -> expected
+      distinct rows of one rank's batch; ``picasso.table_sharding`` overrides it per table).
 
     ``dim`` defaults to ``picasso.embedding_dim``; ``init_std`` 0 starts the rows at zero (a wide
     part). Starts torch.distributed under a launcher (data-parallel tables broadcast rank 0's rows).
@@ -95,7 +101,7 @@ def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig,
     sizes = [int(v) for v in vocab_sizes]
     if not sizes or min(sizes) < 1:
         raise ValueError(f"tables_from_block: vocab_sizes must be one positive row count per field, got {sizes}")
-    rank, _ = _started_distributed()
+    rank, world_size = _started_distributed()
     if "gba" in job.blocks:
         from gba_engine.packed_tables import ServerPackedFieldEmbeddings
 
@@ -110,10 +116,31 @@ def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig,
             raise ValueError(f"{job.source}: picasso.cache serves data-parallel tables; sharding is {block.sharding!r}")
         make = cached_field_embeddings(block, workdir=Path(workdir) if workdir is not None else None, rank=rank)
         module: nn.Module = make(sizes, dim, pooling, sparse, init_std, prefix)
+    elif block.sharding == "auto":
+        from sparse_scale.planned_tables import planned_field_embeddings
+
+        make = planned_field_embeddings(block, world_size=world_size, batch_size=_micro_batch(job, world_size),
+                                        rank=rank, ids_per_field=ids_per_field, unique_ids=unique_ids,
+                                        prefixes=(prefix,))
+        try:
+            module = make(sizes, dim, pooling, sparse, init_std, prefix)
+        except ValueError as exc:  # an override key that names no table
+            raise ConfigError(f"{job.source}: {exc}") from None
     else:
         module = PackedFieldEmbeddings(sizes, dim, pooling, sparse, init_std, prefix)
     set_bounds_check(module, block)
     return module
+
+
+def _micro_batch(job: JobConfig, world_size: int) -> int:
+    """Samples per rank per step: ``train_micro_batch_size_per_gpu``, else ``train_batch_size / (world x gas)``."""
+    ds = job.ds
+    if ds.get("train_micro_batch_size_per_gpu"):
+        return int(ds["train_micro_batch_size_per_gpu"])
+    if ds.get("train_batch_size"):
+        return max(1, int(ds["train_batch_size"]) // (world_size * int(ds.get("gradient_accumulation_steps") or 1)))
+    raise ValueError(f'{job.source}: picasso.sharding "auto" plans from the batch size; the config sets neither '
+                     "train_micro_batch_size_per_gpu nor train_batch_size")
 
 
 def moe_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig, hidden_size: int, *,
