@@ -125,6 +125,7 @@ class DataSet:
     test: Split
     cat_names: list[str]
     dense_names: list[str]
+    multi_hot: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # one field of several columns
 
     @property
     def vocab_sizes(self) -> list[int]:
@@ -234,7 +235,8 @@ def adult_frames(table: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], d
 
 
 def build_dataset(name: str, cat: dict[str, np.ndarray], dense: dict[str, np.ndarray], label: np.ndarray,
-                  train_rows: np.ndarray, test_rows: np.ndarray, shuffle_seed: int = SEED) -> DataSet:
+                  train_rows: np.ndarray, test_rows: np.ndarray, shuffle_seed: int = SEED,
+                  multi_hot: dict[str, list[str]] | None = None) -> DataSet:
     """Split the frames by row indices, give categorical ids from the training rows, shuffle the training rows.
 
     ``build_dataset("toy", {"c": col}, {"d": ints}, y, np.arange(80), np.arange(80, 100))``
@@ -246,7 +248,7 @@ def build_dataset(name: str, cat: dict[str, np.ndarray], dense: dict[str, np.nda
                                          {k: v[test_rows] for k, v in cat.items()})
     dense_all = np.stack([np.maximum(v.astype(np.int64), 0) for v in dense.values()], axis=1)
     return DataSet(name, Split(train_cat, dense_all[train_rows], label[train_rows]),
-                   Split(test_cat, dense_all[test_rows], label[test_rows]), list(cat), list(dense))
+                   Split(test_cat, dense_all[test_rows], label[test_rows]), list(cat), list(dense), multi_hot or {})
 
 
 def load_movielens(folder: Path) -> DataSet:
@@ -255,7 +257,9 @@ def load_movielens(folder: Path) -> DataSet:
                                          _read_parquet(folder / "MovieLens100k_users.parquet.brotli"),
                                          _read_parquet(folder / "MovieLens100k_items.parquet.brotli"))
     cut = int(0.8 * len(label))
-    return build_dataset("movielens100k", cat, dense, label, np.arange(cut), np.arange(cut, len(label)))
+    genres = [c for c in cat if c.startswith("genre_")]
+    return build_dataset("movielens100k", cat, dense, label, np.arange(cut), np.arange(cut, len(label)),
+                         multi_hot={"genres": genres})
 
 
 def load_adult(folder: Path, seed: int = 0) -> DataSet:
@@ -276,6 +280,29 @@ def write_criteo_tsv(split: Split, path: Path) -> Path:
             cats = [format(int(v), "x") if v else "" for v in split.cat[i]] + [""] * (NUM_CAT - c)
             f.write("\t".join([str(int(split.label[i])), *ints, *cats]) + "\n")
     return path
+
+
+def write_schema_tsv(data: DataSet, split: Split, path: Path) -> tuple[Path, dict[str, Any]]:
+    """Write a split as a TSV with a header naming its own columns, and the schema that reads it.
+
+    A ``multi_hot`` group of columns becomes one column of its present values joined by ``|``
+    (the genres of a film). Returns the file and the schema (``picasso_ops.data.schema.DataSchema`` JSON).
+    """
+    grouped = {c for cols in data.multi_hot.values() for c in cols}
+    single = [j for j, c in enumerate(data.cat_names) if c not in grouped]
+    groups = [(g, [data.cat_names.index(c) for c in cols]) for g, cols in data.multi_hot.items()]
+    header = ["label", *data.dense_names, *(data.cat_names[j] for j in single), *(g for g, _ in groups)]
+    with open(path, "w") as f:
+        f.write("\t".join(header) + "\n")
+        for i in range(len(split)):
+            row = [str(int(split.label[i])), *(str(int(v)) for v in split.dense[i]),
+                   *(str(int(split.cat[i, j])) if split.cat[i, j] else "" for j in single),
+                   *("|".join(str(int(split.cat[i, j])) for j in cols if split.cat[i, j]) for _, cols in groups)]
+            f.write("\t".join(row) + "\n")
+    schema = {"label": "label", "dense": list(data.dense_names),
+              "categorical": [data.cat_names[j] for j in single] + [{"column": g, "separator": "|"} for g, _ in groups],
+              "header": True, "dense_values": "integer"}
+    return path, schema
 
 
 # ------------------------------------------------------------------------------------ baselines (torch)
@@ -444,19 +471,48 @@ def ours_config(base: Path, overrides: Sequence[tuple[str, Any]], workdir: Path)
     return path
 
 
-def train_ours(model: str, data: DataSet, epochs: int, config: Path, workdir: Path, vocab: int,
-               extra_flags: Sequence[str] = (), timeout_s: float = 3600.0) -> list[EpochResult]:
-    """Our job on the data as Criteo TSV, one rank, through ``python -m sparse_scale.rec``; eval per epoch."""
-    train_tsv, test_tsv = workdir / "train.tsv", workdir / "test.tsv"
-    if not train_tsv.exists():
-        write_criteo_tsv(data.train, train_tsv)
-        write_criteo_tsv(data.test, test_tsv)
+def write_files(data: DataSet, workdir: Path, layout: str) -> tuple[Path, Path, list[str]]:
+    """The train and test files for our job in ``layout`` ("criteo" or "schema") and the flags that read them."""
+    train, test = workdir / f"train_{layout}.tsv", workdir / f"test_{layout}.tsv"
+    if layout == "criteo":
+        if not train.exists():
+            write_criteo_tsv(data.train, train)
+            write_criteo_tsv(data.test, test)
+        return train, test, []
+    if layout != "schema":
+        raise BenchmarkError(f"--layout {layout!r}: expected criteo or schema")
+    schema_path = workdir / "schema.json"
+    if not train.exists():
+        _, schema = write_schema_tsv(data, data.train, train)
+        write_schema_tsv(data, data.test, test)
+        schema_path.write_text(json.dumps(schema, indent=2))
+    return train, test, ["--schema", str(schema_path)]
+
+
+@dataclasses.dataclass(frozen=True)
+class OursSettings:
+    """How our runs are made: the config file (before ``overrides``), hash buckets, file layout, extra flags."""
+
+    config: Path = ROOT / "ds_configs" / "rec_picasso_cpu.json"
+    vocab: int = 20000
+    layout: str = "criteo"  # "criteo": padded Criteo TSV; "schema": the data's own columns with --schema
+    flags: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, Any], ...] = ()
+    timeout_s: float = 3600.0
+
+
+def train_ours(model: str, data: DataSet, epochs: int, config: Path, workdir: Path,
+               ours: OursSettings = OursSettings()) -> list[EpochResult]:
+    """Our job (``config``: the written config) on the data in ``ours.layout``, one rank, through
+    ``python -m sparse_scale.rec``; the test split is scored after every epoch."""
+    train_tsv, test_tsv, data_flags = write_files(data, workdir, ours.layout)
+    vocab, extra_flags, timeout_s = ours.vocab, ours.flags, ours.timeout_s
     out = workdir / f"ours_{model}"
     steps = epochs * (len(data.train) // BATCH + 2)  # an upper bound: the job ends after its epochs
     cmd = [sys.executable, "-m", "sparse_scale.rec", "--config", str(config), "--data", "criteo",
            "--train-files", str(train_tsv), "--eval-files", str(test_tsv), "--epochs", str(epochs),
            "--steps", str(steps), "--vocab", str(vocab), "--model", model, "--seed", str(SEED),
-           "--out", str(out), "--overwrite", *extra_flags]
+           "--out", str(out), "--overwrite", *data_flags, *extra_flags]
     env = {**os.environ, "WANDB_MODE": "disabled", "MASTER_ADDR": "127.0.0.1"}
     logger.info("%s", " ".join(cmd))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -474,8 +530,8 @@ def train_ours(model: str, data: DataSet, epochs: int, config: Path, workdir: Pa
 
 
 # ------------------------------------------------------------------------------------------------- run
-def run_model(name: str, data: DataSet, epochs: int, workdir: Path, config: Path, vocab: int,
-              lrs: dict[str, float], extra_flags: Sequence[str] = ()) -> ModelResult:
+def run_model(name: str, data: DataSet, epochs: int, workdir: Path, config: Path, lrs: dict[str, float],
+              ours: OursSettings = OursSettings()) -> ModelResult:
     """Train one model on one data set; a model whose package is missing is a row with a note, not an error."""
     start = time.perf_counter()
     torch.manual_seed(SEED)
@@ -489,7 +545,7 @@ def run_model(name: str, data: DataSet, epochs: int, workdir: Path, config: Path
             return ModelResult(name, [], 0.0, "skipped: deepctr-torch not installed")
         epochs_out = train_deepctr(name.removeprefix("deepctr_"), data, epochs)
     elif name.startswith(OURS_PREFIX):
-        epochs_out = train_ours(name.removeprefix(OURS_PREFIX), data, epochs, config, workdir, vocab, extra_flags)
+        epochs_out = train_ours(name.removeprefix(OURS_PREFIX), data, epochs, config, workdir, ours)
     else:
         raise BenchmarkError(f"unknown model {name!r}")
     return ModelResult(name, epochs_out, time.perf_counter() - start)
@@ -551,18 +607,17 @@ def load_sets(names: Sequence[str]) -> Iterator[DataSet]:
         yield loaders[name](folder)
 
 
-def run_benchmark(sets: Sequence[DataSet], models: Sequence[str], epochs: int, workroot: Path, config: Path,
-                  vocab: int, lrs: dict[str, float], extra_flags: Sequence[str] = (),
-                  overrides: Sequence[tuple[str, Any]] = ()) -> dict[str, list[ModelResult]]:
+def run_benchmark(sets: Sequence[DataSet], models: Sequence[str], epochs: int, workroot: Path,
+                  lrs: dict[str, float], ours: OursSettings = OursSettings()) -> dict[str, list[ModelResult]]:
     """Every model on every data set (same split, same epochs); returns the rows per data set."""
     results: dict[str, list[ModelResult]] = {}
     for data in sets:
         workdir = workroot / data.name
         workdir.mkdir(parents=True, exist_ok=True)
-        cfg = ours_config(config, overrides, workdir)
+        cfg = ours_config(ours.config, ours.overrides, workdir)
         rows = []
         for name in models:
-            r = run_model(name, data, epochs, workdir, cfg, vocab, lrs, extra_flags)
+            r = run_model(name, data, epochs, workdir, cfg, lrs, ours)
             best = r.best
             logger.info("%s %s: %s (%.0f s)", data.name, name,
                         r.note if best is None else f"best epoch {best.epoch + 1} AUC {best.auc:.4f} "
@@ -581,6 +636,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--config", type=Path, default=ROOT / "ds_configs" / "rec_picasso_cpu.json")
     p.add_argument("--vocab", type=int, default=20000, help="hash buckets per field of our TSV reader")
+    p.add_argument("--layout", choices=["criteo", "schema"], default="criteo",
+                   help="our runs' files: padded Criteo TSV, or the data's own columns read with --schema")
     p.add_argument("--lr-lr", type=float, default=0.01, help="Adam lr of the logistic regression")
     p.add_argument("--fm-lr", type=float, default=0.001, help="Adam lr of the factorization machine")
     p.add_argument("--ours-set", type=parse_override, action="append", default=[], metavar="KEY=VALUE",
@@ -603,8 +660,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = dt.datetime.now(dt.timezone.utc)
     with tempfile.TemporaryDirectory(prefix="real_data_") as tmp:
         workroot = args.workdir or Path(tmp)
-        results = run_benchmark(list(load_sets(args.sets)), args.models, args.epochs, workroot, args.config,
-                                args.vocab, lrs, args.ours_flag, args.ours_set)
+        ours = OursSettings(args.config, args.vocab, args.layout, tuple(args.ours_flag), tuple(args.ours_set))
+        results = run_benchmark(list(load_sets(args.sets)), args.models, args.epochs, workroot, lrs, ours)
     table = markdown_table(results)
     verdicts = {ds: verdict(rows) for ds, rows in results.items()}
     print(table)
@@ -616,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "loadavg_end": os.getloadavg(), "epochs": args.epochs, "config": str(args.config),
             "ours_set": args.ours_set, "ours_flag": args.ours_flag, "vocab": args.vocab, "lrs": lrs,
+            "layout": args.layout,
             "results": {ds: [r.to_dict() for r in rows] for ds, rows in results.items()}, "verdicts": verdicts},
             indent=2))
 

@@ -110,12 +110,30 @@ def test_the_tsv_is_what_our_reader_takes(tmp_path):
     assert not batch.lengths[2:].any()
 
 
+def test_the_schema_tsv_reads_with_its_schema(tmp_path):
+    from picasso_ops.data.schema import DataSchema
+
+    cat, dense, label = tiny_frame(200)
+    cat["g1"] = np.where(cat["color"] == "red", "x", None).astype(object)  # two columns of one multi-hot field
+    cat["g2"] = np.where(dense["count"] > 25, "y", None).astype(object)
+    data = rd.build_dataset("tiny", cat, dense, label, np.arange(160), np.arange(160, 200),
+                            multi_hot={"g": ["g1", "g2"]})
+    path, schema = rd.write_schema_tsv(data, data.test, tmp_path / "test.tsv")
+    assert path.read_text().splitlines()[0].split("\t") == ["label", "count", "zero", "color", "shape", "g"]
+    reader = CriteoTSVReader([path], batch_size=40, vocab_sizes=1000, max_bad_fraction=0.0,
+                             schema=DataSchema(**schema))
+    (batch,) = list(reader)
+    assert batch.labels.tolist() == data.test.label.tolist()
+    assert np.allclose(batch.dense.numpy(), np.log1p(data.test.dense.astype(np.float64)), atol=1e-6)
+    present = (data.test.cat > 0).astype(int)
+    assert batch.lengths.tolist() == [*present[:, :2].T.tolist(), present[:, 2:].sum(1).tolist()]
+
+
 def test_baselines_learn_and_the_table_reports_them(tmp_path):
     torch.manual_seed(0)
     data = tiny_dataset(2000)
     models = ["lr", "fm", "deepctr_deepfm"]
-    results = rd.run_benchmark([data], models, epochs=2, workroot=tmp_path, config=ROOT / "ds_configs" /
-                               "rec_picasso_cpu.json", vocab=1000, lrs={"lr": 0.1, "fm": 0.05})
+    results = rd.run_benchmark([data], models, epochs=2, workroot=tmp_path, lrs={"lr": 0.1, "fm": 0.05})
     rows = {r.model: r for r in results["tiny"]}
     for name in ("lr", "fm"):
         r = rows[name]
@@ -155,6 +173,6 @@ def test_our_job_runs_on_the_benchmark_files(tmp_path):
     """Our model through ``python -m sparse_scale.rec`` on the written TSV files, per-epoch metrics read back."""
     data = tiny_dataset(1200)
     cfg = rd.ours_config(ROOT / "ds_configs" / "rec_picasso_cpu.json", [], tmp_path)
-    epochs = rd.train_ours("wide_deep", data, 2, cfg, tmp_path, vocab=1000, timeout_s=150)
+    epochs = rd.train_ours("wide_deep", data, 2, cfg, tmp_path, rd.OursSettings(vocab=1000, timeout_s=150))
     assert [e.epoch for e in epochs] == [0, 1]
     assert all(0.5 < e.auc <= 1.0 and math.isfinite(e.log_loss) for e in epochs)
