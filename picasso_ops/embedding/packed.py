@@ -497,13 +497,15 @@ class _PackKernel(nn.Module):
         ``grad`` is the whole ``[B, sum D]`` output gradient for pooled packs
         (``runs`` locate the pack's columns) or ``[rows, width]`` for sequences.
         Not applicable: deferred updates, Adam while tables disagree on the step,
-        or no kernel (then the caller runs the torch path).
+        weight decay, or no kernel (then the caller runs the torch path).
         """
         backend = self._op_backend()
         if backend is None or self._defer or grad.dtype != torch.float32:
             return False
         if self.optimizer.uses_step and self._uniform_step is None:
             return False
+        if self.optimizer.hyperparams.get("weight_decay", 0.0) > 0.0:
+            return False  # the kernels take no decay: the torch path applies it to the touched rows
         self._count_step()
         if self.group.pooled:
             assert runs is not None

@@ -9,7 +9,7 @@ Definitions (``g`` is a row's gradient summed over the batch, ``D`` the table's
 embedding dim, ``t`` the optimizer step, 1-based):
 
 * ``sgd``: ``w -= lr * g``. Same as ``torch.optim.SGD`` on a sparse gradient.
-* ``rowwise_adagrad``: FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (no weight decay):
+* ``rowwise_adagrad``: FBGEMM's ``EXACT_ROWWISE_ADAGRAD``:
   one state scalar per row, ``momentum1 += sum(g**2) / D`` (the mean of the
   squared gradient over the row), then ``w -= lr * g / (sqrt(momentum1) + eps)``.
 * ``adam``: lazy Adam, FBGEMM's ``ADAM`` formula without weight decay:
@@ -19,6 +19,13 @@ embedding dim, ``t`` the optimizer step, 1-based):
   not), as in FBGEMM and ``torch.optim.SparseAdam``, not a per-row count. Note
   SparseAdam puts ``eps`` after folding the bias correction into the step size,
   so it differs from this formula by ``eps * sqrt(1 - b2**t)``.
+
+Every optimizer also takes ``weight_decay`` (default 0: off), decoupled weight
+decay of the touched rows in AdamW's form: ``w *= 1 - lr * weight_decay``
+before the step above, on the rows of the update only (lazy, like the state).
+For ``sgd`` this is ``torch.optim.SGD(weight_decay=...)``; for ``adam`` with
+every row touched it is ``torch.optim.AdamW``. FBGEMM calls this
+``WeightDecayMode.DECOUPLE``.
 
 Example::
 
@@ -34,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Mapping, Optional, Union
@@ -110,6 +118,7 @@ class SparseOptimizer(ABC):
 
     def __init__(self, **hyperparams: float) -> None:
         self.hyperparams: dict[str, float] = dict(resolve_hyperparams(self.name, hyperparams))
+        _check_decay(self.name, self.hyperparams["lr"], self.hyperparams["weight_decay"])
 
     @property
     def lr(self) -> float:
@@ -120,7 +129,23 @@ class SparseOptimizer(ABC):
     def lr(self, value: float) -> None:
         if not value >= 0.0:
             raise ValueError(f"learning rate must be >= 0, got {value}")
+        _check_decay(self.name, float(value), self.hyperparams["weight_decay"])
         self.hyperparams["lr"] = float(value)
+
+    def decay_rows(self, weight: Tensor, rows: Tensor) -> None:
+        """Decoupled weight decay of ``weight[rows]`` (unique rows) before a step: ``w *= 1 - lr * weight_decay``.
+
+        Example::
+
+            >>> opt = SparseSGD(lr=0.5, weight_decay=0.2); w = torch.ones(3, 2)
+            >>> opt.decay_rows(w, torch.tensor([1])); w[:, 0].tolist()
+            [1.0, 0.8999999761581421, 1.0]
+        """
+        wd = self.hyperparams["weight_decay"]
+        if wd == 0.0 or rows.numel() == 0:
+            return
+        kept = weight.index_select(0, rows).mul_(1.0 - self.lr * wd)
+        weight.index_copy_(0, rows, kept)
 
     def init_state(
         self,
@@ -161,10 +186,11 @@ class SparseSGD(SparseOptimizer):
     """Plain SGD on the touched rows: ``w -= lr * g``."""
 
     name = "sgd"
-    defaults = {"lr": 0.01}
+    defaults = {"lr": 0.01, "weight_decay": 0.0}
     state_kinds: ClassVar[Mapping[str, StateKind]] = {}
 
     def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        self.decay_rows(weight, upd.rows)
         _add_rows(weight, upd.rows, upd.grad.float() * -self.lr)
 
 
@@ -172,7 +198,7 @@ class RowWiseAdagrad(SparseOptimizer):
     """FBGEMM's exact row-wise Adagrad: one accumulator per row, the mean squared gradient."""
 
     name = "rowwise_adagrad"
-    defaults = {"lr": 0.01, "eps": 1e-8}
+    defaults = {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0}
     state_kinds: ClassVar[Mapping[str, StateKind]] = {"momentum1": "row"}
 
     def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
@@ -186,6 +212,7 @@ class RowWiseAdagrad(SparseOptimizer):
         multiplier = new_acc.sqrt_().add_(self.hyperparams["eps"]).reciprocal_().mul_(-self.lr)
         if upd.segment is not None:
             multiplier = multiplier.index_select(0, upd.segment)
+        self.decay_rows(weight, upd.rows)
         _add_rows(weight, upd.rows, grad * multiplier.unsqueeze(1))
 
 
@@ -201,7 +228,8 @@ class LazyAdam(SparseOptimizer):
     * ``w -= lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)``
 
     Untouched rows keep ``w``, ``m`` and ``v`` unchanged (no decay of their
-    moments). No weight decay. This is FBGEMM's ``ADAM`` without weight decay;
+    moments). With ``weight_decay`` the touched rows are first scaled by
+    ``1 - lr * weight_decay`` (decoupled, as AdamW). Otherwise this is FBGEMM's ``ADAM``;
     ``torch.optim.SparseAdam`` differs by ``eps * sqrt(1 - beta2**t)`` (it folds
     the bias corrections into the step size). gba_engine's server-side Adam is
     a different formula under a different name.
@@ -216,7 +244,7 @@ class LazyAdam(SparseOptimizer):
     """
 
     name = "adam"
-    defaults = {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    defaults = {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
     state_kinds: ClassVar[Mapping[str, StateKind]] = {"momentum1": "element", "momentum2": "element"}
     uses_step = True
 
@@ -234,6 +262,7 @@ class LazyAdam(SparseOptimizer):
         else:
             bc1, bc2 = 1.0 - beta1**upd.step, 1.0 - beta2**upd.step
         denom = (m2 / bc2).sqrt_().add_(eps)
+        self.decay_rows(weight, upd.rows)
         _add_rows(weight, upd.rows, (m1 / bc1).div_(denom).mul_(-self.lr))
 
 
@@ -251,7 +280,7 @@ def resolve_hyperparams(optimizer: str, params: Mapping[str, float]) -> tuple[tu
     Example::
 
         >>> resolve_hyperparams("adam", {"lr": 0.01})
-        (('beta1', 0.9), ('beta2', 0.999), ('eps', 1e-08), ('lr', 0.01))
+        (('beta1', 0.9), ('beta2', 0.999), ('eps', 1e-08), ('lr', 0.01), ('weight_decay', 0.0))
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown sparse optimizer {optimizer!r}{_did_you_mean(optimizer, OPTIMIZERS)}")
@@ -264,7 +293,7 @@ def resolve_hyperparams(optimizer: str, params: Mapping[str, float]) -> tuple[tu
                 f"valid: {sorted(defaults)}"
             )
         value = float(value)
-        if not value >= 0.0 or (key in ("beta1", "beta2") and not value < 1.0):
+        if not (value >= 0.0 and math.isfinite(value)) or (key in ("beta1", "beta2") and not value < 1.0):
             raise ValueError(f"bad value {value} for {optimizer!r} hyperparameter {key!r}")
         resolved[key] = value
     return tuple(sorted(resolved.items()))
@@ -279,6 +308,13 @@ def create_optimizer(optimizer: str, params: Mapping[str, float]) -> SparseOptim
         0.5
     """
     return OPTIMIZERS[optimizer](**dict(resolve_hyperparams(optimizer, params)))
+
+
+def _check_decay(name: str, lr: float, weight_decay: float) -> None:
+    """Refuse a decay that would flip or zero the rows' sign: ``lr * weight_decay`` must stay below 1."""
+    if weight_decay > 0.0 and not lr * weight_decay < 1.0:
+        raise ValueError(f"{name!r}: lr {lr:g} x weight_decay {weight_decay:g} = {lr * weight_decay:g} must be < 1 "
+                         "(each touched row is scaled by 1 - lr x weight_decay)")
 
 
 def _did_you_mean(word: str, choices: Mapping[str, object]) -> str:

@@ -276,6 +276,9 @@ def packed_backward_update(
         >>> round(w[3, 0].item(), 4), m["momentum1"][3].item()
         (-0.1, 1.0)
     """
+    if float(hyperparams.get("weight_decay", 0.0)) != 0.0:  # never drop a decay silently
+        raise ValueError("packed_backward_update: weight_decay is applied by SparseOptimizer.update (the torch path), "
+                         "not by the fused op; call it with weight_decay 0")
     which = select_backend(weight.device, weight.dtype, backend)
     if which == "cpp":
         hp = hyperparams

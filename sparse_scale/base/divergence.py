@@ -1,4 +1,5 @@
-"""The divergence guard of the training loops: stop on a non-finite loss or gradient norm, or too many skipped steps.
+"""The divergence guard of the training loops: stop on a non-finite loss or gradient norm, too many skipped steps, or
+a loss that explodes while staying finite.
 
 DeepSpeed skips an optimizer step whose gradients overflow (ZeRO and fp16 check for inf/NaN)
 and goes on: a diverged run then trains nothing, ends with AUC 0.5, saves the garbage and exits 0.
@@ -10,6 +11,15 @@ The loss is checked on every micro-step (the loops read it anyway); NaN/inf ente
 (embeddings, the hidden states entering MoE layers) shows up there. Ranks agree through one
 scalar all-reduce per optimizer step so that all of them stop together.
 
+A loss can also explode while staying finite (a learning rate far too high: losses of 1e21 that
+never overflow fp32). With ``explosion_factor`` F > 0 the guard compares the median of the last
+``EXPLOSION_WINDOW`` optimizer steps' mean loss with F x a reference: the larger of the first
+optimizer step's loss (the model as it started or resumed) and, when the loop passes it, the loss
+of a constant predictor (for BCE the entropy of the label rate seen so far, ln 2 = 0.693 at most).
+A healthy run stays below both; the median ignores a single bad batch. The message names the step
+the loss first passed the bar and the newest checkpoint saved before it; checkpoints saved after it
+are named as suspect, and ``latest`` is moved back to the good one so that --resume starts there.
+
 Example::
 
     guard = DivergenceGuard(max_skipped_steps=20, group=None, last_checkpoint=latest_checkpoint(ckpt_dir))
@@ -17,27 +27,58 @@ Example::
     loss = model(batch); guard.loss(loss.item())     # every micro-step
     engine.backward(loss); engine.step()
     guard.end_step(step, ds_engine)                  # raises DivergenceError
-    guard.checkpoint_saved(save(...))                # after each committed save: the message names it
+    guard.checkpoint_saved(save(...), step)          # after each committed save: the message names it
+
+    guard = DivergenceGuard(explosion_factor=10.0)   # also stop a finite explosion
+    guard.loss(loss.item(), baseline=bce_entropy(positives / samples))
 """
 from __future__ import annotations
 
 import math
 import os
+import statistics
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sparse_scale.base.atomic_checkpoint import write_latest
+
 DEFAULT_MAX_SKIPPED_STEPS = 20  # DeepSpeed's fp16 loss-scale warm-up skips a handful in a row; 20 is far past it
+DEFAULT_EXPLOSION_FACTOR = 10.0  # a BCE model at 10x the constant predictor's loss is far past any healthy run
+EXPLOSION_WINDOW = 5  # optimizer steps whose median loss is judged: one bad batch alone never stops a run
 TRY = ("try a lower learning rate (optimizer.params.lr), gradient_clipping in the DeepSpeed config, a longer "
        "warmup, or bf16/fp32 instead of fp16")
 
 
-def hint(last_checkpoint: str | os.PathLike | None) -> str:
-    """What to try, and the checkpoint to resume from (or that there is none yet)."""
+def hint(last_checkpoint: str | os.PathLike | None, suspect: list[str] | None = None) -> str:
+    """What to try, and the checkpoint to resume from (or that there is none yet).
+
+    ``suspect``: checkpoints saved after the loss had started to explode (not good to resume from).
+    """
+    after = ""
+    if suspect:
+        after = (f"; {', '.join(suspect)} {'was' if len(suspect) == 1 else 'were'} saved after the loss began to "
+                 f"explode: do not resume from {'it' if len(suspect) == 1 else 'them'}")
     if last_checkpoint is None:
-        return f"{TRY}; no checkpoint was written yet, so there is nothing to resume from"
-    return f"{TRY}; the last good checkpoint {last_checkpoint} is kept (resume from it with --resume)"
+        return f"{TRY}; no good checkpoint was written yet, so there is nothing to resume from{after}" if suspect \
+            else f"{TRY}; no checkpoint was written yet, so there is nothing to resume from"
+    how = "" if not suspect else ", and 'latest' points at it again"
+    return f"{TRY}; the last good checkpoint {last_checkpoint} is kept{how} (resume from it with --resume){after}"
+
+
+def bce_entropy(rate: float) -> float:
+    """The log loss of a constant predictor at the label rate ``rate`` (nats): the floor a BCE model starts from.
+
+    Example::
+
+        round(bce_entropy(0.5), 4), bce_entropy(0.0)     # (0.6931, 0.0)
+    """
+    if not 0.0 < rate < 1.0:
+        return 0.0
+    return -(rate * math.log(rate) + (1.0 - rate) * math.log(1.0 - rate))
 
 
 class DivergenceError(RuntimeError):
@@ -49,38 +90,60 @@ class DivergenceGuard:
 
     ``lockstep``: the ranks of ``group`` step together (DeepSpeed data parallel), so they agree on
     stopping through a scalar all-reduce; False (gba workers at their own pace): each rank decides alone.
+    ``explosion_factor``: stop when the loss explodes while finite (see the module docstring); 0: off.
     """
 
     def __init__(self, max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS, group: Any = None,
-                 lockstep: bool = True, what: str = "loss", last_checkpoint: str | os.PathLike | None = None) -> None:
+                 lockstep: bool = True, what: str = "loss", last_checkpoint: str | os.PathLike | None = None,
+                 explosion_factor: float = 0.0) -> None:
         if max_skipped_steps < 1:
             raise ValueError(f"--max-skipped-steps {max_skipped_steps}: must be >= 1")
+        if not (math.isfinite(explosion_factor) and (explosion_factor == 0 or explosion_factor > 1)):
+            raise ValueError(f"--loss-explosion-factor {explosion_factor}: must be 0 (off) or a finite number > 1")
         self.max_skipped_steps, self.group, self.lockstep, self.what = max_skipped_steps, group, lockstep, what
         self.skipped_in_a_row, self._skipped_before, self._bad_loss = 0, 0, None
         self.last_checkpoint = last_checkpoint  # named in the error as the one to resume from; None: none yet
+        self.explosion_factor = explosion_factor
+        self._step_sum, self._step_count, self._baseline = 0.0, 0, None
+        self._first_loss: float | None = None  # the first optimizer step's mean loss: the run's own early value
+        self._recent: deque[tuple[int, float]] = deque(maxlen=EXPLOSION_WINDOW)  # (step, mean loss)
+        self._saved: list[tuple[int | None, str]] = []  # (step, folder) of each checkpoint this guard was told of
 
-    def checkpoint_saved(self, folder: str | os.PathLike) -> None:
-        """Call after each committed save: the error names ``folder`` as the last good checkpoint."""
+    def checkpoint_saved(self, folder: str | os.PathLike, step: int | None = None) -> None:
+        """Call after each committed save (of optimizer step ``step``): the error names ``folder`` as the last good
+        checkpoint, unless the loss had already begun to explode by then."""
         self.last_checkpoint = folder
+        self._saved.append((step, str(folder)))
 
     def start_step(self, ds_engine: Any) -> None:
         """Call before the optimizer step's first micro-step."""
         self._skipped_before = int(getattr(ds_engine, "skipped_steps", 0)) if ds_engine is not None else 0
         self._bad_loss = None
 
-    def loss(self, value: float) -> None:
-        """Record one micro-step's loss (a float the loop already read)."""
+    def loss(self, value: float, baseline: float | None = None) -> None:
+        """Record one micro-step's loss (a float the loop already read).
+
+        ``baseline``: the loss of a constant predictor on the data seen so far (BCE: :func:`bce_entropy`
+        of the label rate); the explosion bar is at least ``explosion_factor`` times it.
+        """
         if self._bad_loss is None and not math.isfinite(value):
             self._bad_loss = value
+        if math.isfinite(value):
+            self._step_sum, self._step_count = self._step_sum + value, self._step_count + 1
+        if baseline is not None and math.isfinite(baseline):
+            self._baseline = baseline
 
     def end_step(self, step: int, ds_engine: Any) -> None:
         """Call after the optimizer step ``step`` (1-based); raises :class:`DivergenceError` when the run diverged."""
-        bad = self._agreed_bad_loss()
+        exploded = self._explosion(step)
+        bad, onset = self._agreed(exploded[2] if exploded is not None else None)
         if bad is not None:
             raise DivergenceError(
                 f"training diverged at step {step}: {self.what} is {bad[1]} on {bad[0]} (non-finite; checked on "
                 f"the loss, so NaN/inf in the inputs, the embeddings or the hidden states entering the MoE layers "
                 f"show up here too); {hint(self.last_checkpoint)}")
+        if onset is not None:
+            raise DivergenceError(self._explosion_message(step, exploded, onset))
         if ds_engine is None:
             return
         skipped = int(getattr(ds_engine, "skipped_steps", 0)) > self._skipped_before
@@ -110,15 +173,74 @@ class DivergenceGuard:
         return bool(self.lockstep and dist.is_available() and dist.is_initialized()
                     and dist.get_world_size(self.group) > 1)
 
-    def _agreed_bad_loss(self) -> tuple[str, float] | None:
+    def _agreed(self, onset: int | None) -> tuple[tuple[str, float] | None, int | None]:
+        """Agreed over the ranks: where and what the non-finite loss is (or None), and the earliest step at which
+        some rank's loss exploded while finite (or None). ``onset``: this rank's."""
         mine = self._bad_loss
         if not self._in_lockstep():
-            return ("this rank", mine) if mine is not None else None
-        flag = torch.tensor([0.0 if mine is None else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() == 0.0:
+            return (("this rank", mine) if mine is not None else None), onset
+        flags = torch.tensor([0.0 if mine is None else 1.0, -float("inf") if onset is None else -float(onset)],
+                             dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # one collective for both checks
+        agreed_onset = None if math.isinf(flags[1].item()) else int(-flags[1].item())
+        if flags[0].item() == 0.0:
+            return None, agreed_onset
+        return ((f"rank {dist.get_rank()}", mine) if mine is not None else ("another rank", float("nan"))), agreed_onset
+
+    def _explosion(self, step: int) -> tuple[float, float, int] | None:
+        """Close the step's loss record; (median, bar, first step over the bar) when the loss exploded, else None."""
+        count, total = self._step_count, self._step_sum
+        self._step_sum, self._step_count = 0.0, 0
+        if self.explosion_factor == 0 or count == 0:
             return None
-        return (f"rank {dist.get_rank()}", mine) if mine is not None else ("another rank", float("nan"))
+        mean = total / count
+        if not math.isfinite(mean):  # finite losses whose sum overflows: as exploded as it gets
+            mean = float("inf")
+        if self._first_loss is None:
+            self._first_loss = mean
+        self._recent.append((step, mean))
+        if len(self._recent) < EXPLOSION_WINDOW:
+            return None
+        bar = self.explosion_factor * self._reference()
+        median = statistics.median(v for _, v in self._recent)
+        if not median > bar:
+            return None
+        onset = next(s for s, v in self._recent if v > bar)
+        return median, bar, onset
+
+    def _reference(self) -> float:
+        first = self._first_loss if self._first_loss is not None else 0.0
+        return max(first, self._baseline or 0.0)
+
+    def _explosion_message(self, step: int, exploded: tuple[float, float, int] | None, onset: int) -> str:
+        """The error of a finite explosion first seen at step ``onset`` (on any rank); ``exploded``: this rank's."""
+        good = [(s, f) for s, f in self._saved if s is None or s + 1 < onset]  # its weights gave a loss below the bar
+        suspect = [f for s, f in self._saved if s is not None and s + 1 >= onset]
+        last_good: Any = good[-1][1] if good else (self.last_checkpoint if not self._saved else None)
+        if suspect and last_good is not None:
+            _point_latest_at(Path(last_good))
+        if exploded is None:
+            return (f"training diverged at step {step}: the {self.what} exploded on another rank while staying finite "
+                    f"(more than {self.explosion_factor:g}x its reference from step {onset} on; "
+                    f"--loss-explosion-factor {self.explosion_factor:g}; 0 turns this check off); "
+                    f"{hint(last_good, suspect)}")
+        median, bar, _ = exploded
+        baseline = (f", and the constant predictor's {self._baseline:.4g} (the entropy of the label rate seen so far)"
+                    if self._baseline is not None else "")
+        first = self._first_loss if self._first_loss is not None else float("nan")
+        return (f"training diverged at step {step}: the {self.what} exploded while staying finite: the median of "
+                f"the last {EXPLOSION_WINDOW} steps' {self.what} is {median:.4g}, more than {self.explosion_factor:g}x "
+                f"the reference {bar / self.explosion_factor:.4g} (the larger of the first step's {first:.4g}"
+                f"{baseline}); it first passed {bar:.4g} at step {onset} (--loss-explosion-factor "
+                f"{self.explosion_factor:g}; 0 turns this check off); {hint(last_good, suspect)}")
+
+
+def _point_latest_at(folder: Path) -> None:
+    """Move ``latest`` beside ``folder`` back to it (the first rank only), so that --resume starts from it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if folder.is_dir() and (folder.parent / "latest").is_file():
+        write_latest(folder.parent, folder.name)
 
 
 def deepspeed_engine_of(engine: Any) -> Any:

@@ -7,12 +7,14 @@ back to the newest intact checkpoint with a warning.
 Example::
 
     path = save(engine, Path("runs/x/checkpoints"), progress, stream)     # ".../step40" or ".../batch80"
+    best = save_best(engine, Path("runs/x/best"), progress, stream, rank)  # the one best checkpoint of the run
     progress, data_states = resume(engine, Path("runs/x/checkpoints"))
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +87,24 @@ def _save(engine: "RecEngine", ckpt_dir: Path, progress: Progress, stream: "Trai
                                                                                      client_state=client_state),
                                need, group, lockstep, rank)
     return str(final)
+
+
+def save_best(engine: "RecEngine", best_dir: Path, progress: Progress, stream: "TrainStream", rank: int) -> str:
+    """Save the best evaluation's state in ``best_dir`` (e.g. ``OUT/best/step40``) and remove the older best.
+
+    A checkpoint like :func:`save`'s (``--resume`` reads it when copied into OUT/checkpoints); only one
+    is kept, so ``best_dir`` holds the best of the run so far, never a half-written one.
+    """
+    final = save(engine, best_dir, progress, stream, rank)
+    lockstep, group = _lockstep(engine), engine.worker_group
+    atomic.agree(lambda: _drop_others(Path(best_dir), Path(final).name), group, lockstep, rank)
+    return final
+
+
+def _drop_others(best_dir: Path, keep: str) -> None:
+    for folder in best_dir.iterdir():
+        if folder.is_dir() and not folder.name.startswith(".") and folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def resume(engine: "RecEngine", ckpt_dir: Path, rank: int) -> tuple[Progress, list[dict[str, Any]] | None]:

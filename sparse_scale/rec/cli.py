@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS
+from sparse_scale.base.divergence import DEFAULT_EXPLOSION_FACTOR, DEFAULT_MAX_SKIPPED_STEPS
 from sparse_scale.distenv import shutdown_distributed
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import Crash, Straggler, parse_crash, parse_straggler
@@ -72,6 +72,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-skipped-steps", type=int, default=DEFAULT_MAX_SKIPPED_STEPS, metavar="N",
                    help="stop with an error when DeepSpeed's overflow check skips more than N optimizer steps in a "
                         "row (a non-finite loss or gradient norm stops the job at once)")
+    p.add_argument("--loss-explosion-factor", type=float, default=DEFAULT_EXPLOSION_FACTOR, metavar="F",
+                   help="stop with an error when the median loss of the last 5 steps exceeds F x the larger of the "
+                        "first step's loss and a constant predictor's (the entropy of the label rate seen so far): "
+                        "a loss that explodes while staying finite (0: off)")
+    p.add_argument("--early-stop-metric", choices=["auc", "logloss"], default=None,
+                   help="judge each evaluation during training (each epoch's end with --epochs, every N steps with "
+                        "--eval-every) on this held-out metric: the best one's checkpoint is kept in OUT/best and "
+                        "reported, and --patience evaluations without improvement stop the run")
+    p.add_argument("--patience", type=int, default=None, metavar="N",
+                   help="with --early-stop-metric: stop after N evaluations in a row without improvement "
+                        "(default 2; 0: never stop, only keep the best)")
+    p.add_argument("--min-delta", type=float, default=None, metavar="D",
+                   help="with --early-stop-metric: an improvement must beat the best by more than D (default 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in an OUT that already holds checkpoints (without it, and without "
                         "--resume, that is an error: a rerun would silently start over and move 'latest' back)")
@@ -121,6 +134,23 @@ def _synthetic_flags(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def _hygiene_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Early stopping and the explosion guard as RecJobConfig fields; --patience / --min-delta need a metric."""
+    given = [flag for flag, name in (("--patience", "patience"), ("--min-delta", "min_delta"))
+             if getattr(args, name, None) is not None]
+    metric = getattr(args, "early_stop_metric", None)
+    if given and metric is None:
+        raise RecJobError(f"{', '.join(given)}: {'sets' if len(given) == 1 else 'set'} early stopping, which "
+                          "--early-stop-metric auc|logloss turns on")
+    out: dict[str, Any] = {"early_stop_metric": metric,
+                           "loss_explosion_factor": getattr(args, "loss_explosion_factor", DEFAULT_EXPLOSION_FACTOR)}
+    if getattr(args, "patience", None) is not None:
+        out["patience"] = args.patience
+    if getattr(args, "min_delta", None) is not None:
+        out["min_delta"] = args.min_delta
+    return out
+
+
 def job_config(args: argparse.Namespace) -> RecJobConfig:
     """The :class:`RecJobConfig` the parsed flags describe (reads and validates ``--config``)."""
     stragglers: list[Straggler] = list(args.straggler)
@@ -133,7 +163,7 @@ def job_config(args: argparse.Namespace) -> RecJobConfig:
         resume=args.resume, seed=args.seed,
         threads=args.threads, stragglers=tuple(stragglers), server_tables=args.server_tables,
         rejoin_as=args.rejoin_as, crash=crash, ps_link_latency_ms=args.ps_link_latency_ms,
-        ps_link_mbit=args.ps_link_mbit, epochs=args.epochs,
+        ps_link_mbit=args.ps_link_mbit, epochs=args.epochs, **_hygiene_flags(args),
         schema=args.schema)
     config.synthetic_config()  # a value the synthetic stream refuses names its flag here, not in pydantic's words
     return config

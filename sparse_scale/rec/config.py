@@ -13,7 +13,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS
+from sparse_scale.base.divergence import DEFAULT_EXPLOSION_FACTOR, DEFAULT_MAX_SKIPPED_STEPS
 from sparse_scale.config import JobConfig, load_config
 from sparse_scale.rec.faults import Crash, Straggler
 
@@ -129,6 +129,10 @@ class RecJobConfig:
     ps_link_latency_ms: float = 0.0  # modelled one-way latency to the parameter servers (gba_engine/ps/link.py)
     ps_link_mbit: float = 0.0  # modelled bandwidth to the parameter servers, Mbit/s (0: unlimited)
     epochs: int = 1  # passes over the training files (file data only); --steps stays an upper bound
+    early_stop_metric: str | None = None  # "auc" | "logloss": keep the best evaluation (OUT/best), stop without gains
+    patience: int = 2  # evaluations in a row without improvement that stop the run (0: never stop, keep the best)
+    min_delta: float = 0.0  # an improvement must beat the best by more than this
+    loss_explosion_factor: float = DEFAULT_EXPLOSION_FACTOR  # stop a finite loss explosion (0: off)
     loaded: JobConfig | None = dataclasses.field(default=None, compare=False, repr=False)
     loaded_schema: "DataSchema | None" = dataclasses.field(default=None, compare=False, repr=False)  # --schema's
 
@@ -168,6 +172,30 @@ class RecJobConfig:
             object.__setattr__(self, "loaded", load_config(self.config))
         if self.schema is not None and self.loaded_schema is None:
             object.__setattr__(self, "loaded_schema", _load_schema(self.schema, self.data))
+        self._check_hygiene()
+
+    def _check_hygiene(self) -> None:
+        """Refuse bad early-stopping and divergence settings (sparse_scale.rec.early_stop, base.divergence)."""
+        from sparse_scale.rec.early_stop import METRICS
+
+        if self.early_stop_metric is not None and self.early_stop_metric not in METRICS:
+            raise RecJobError(f"--early-stop-metric {self.early_stop_metric!r}: expected one of {', '.join(METRICS)}")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
+            raise RecJobError(f"--patience {self.patience!r}: must be an integer >= 0 (0: never stop, keep the best)")
+        if not (isinstance(self.min_delta, (int, float)) and math.isfinite(self.min_delta) and self.min_delta >= 0):
+            raise RecJobError(f"--min-delta {self.min_delta!r}: must be a finite number >= 0")
+        factor = self.loss_explosion_factor
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and (factor == 0 or factor > 1)):
+            raise RecJobError(f"--loss-explosion-factor {factor!r}: must be 0 (off) or a finite number > 1")
+        if self.early_stop_metric is None:
+            return
+        if self.epochs == 1 and self.eval_every == 0:
+            raise RecJobError(f"--early-stop-metric {self.early_stop_metric}: needs evaluations during training "
+                              "(--epochs N > 1 evaluates each epoch's end, --eval-every N every N steps); with "
+                              "neither the job evaluates once, at its end")
+        if self.loaded is not None and "gba" in self.loaded.blocks:
+            raise RecJobError(f"--early-stop-metric {self.early_stop_metric}: not with a gba block (its workers "
+                              "evaluate at their own pace, so they cannot stop together); drop the flag or the block")
 
     def data_schema(self) -> "DataSchema":
         """The columns of the training and held-out files: ``--schema``, else the Criteo layout."""

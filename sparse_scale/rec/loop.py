@@ -5,6 +5,10 @@ gradient accumulation a rank stream completes that step with the next epoch's fi
 claimed batches evaluate after the step whose claims pass the epoch's last number); the job's last
 epoch is scored by the runner's end evaluation instead.
 
+With ``--early-stop-metric`` each evaluation is judged (:mod:`sparse_scale.rec.early_stop`): a new
+best is saved under ``OUT/best`` at once, and running out of ``--patience`` ends the loop right
+after that evaluation (``LoopResult.early_stop`` tells the runner, which reports it; rc 0).
+
 Example::
 
     result = train_loop(job, engine, stream, Progress(), FaultInjector(0, [], None), Path("runs/x/checkpoints"))
@@ -20,12 +24,13 @@ from pathlib import Path
 import torch
 
 from sparse_scale.base.atomic_checkpoint import latest_checkpoint
-from sparse_scale.base.divergence import DivergenceError, DivergenceGuard, deepspeed_engine_of
+from sparse_scale.base.divergence import DivergenceError, DivergenceGuard, bce_entropy, deepspeed_engine_of
 from sparse_scale.rec import checkpoint
 from sparse_scale.rec import evaluate as evaluation
 from sparse_scale.rec.checkpoint import Progress
 from sparse_scale.rec.config import RecJobError
 from sparse_scale.rec.data import TrainStream
+from sparse_scale.rec.early_stop import EarlyStopping
 from sparse_scale.rec.engines import RecEngine
 from sparse_scale.rec.faults import FaultInjector
 from sparse_scale.rec.job import RecJob
@@ -47,29 +52,54 @@ class LoopResult:
     last_checkpoint: str | None
     exhausted: bool  # the data (or, claimed, the job's batches) ran out
     finished_epochs: int = 0  # epochs read to their end (file data)
+    early_stop: EarlyStopping | None = None  # --early-stop-metric: the best evaluation and whether it stopped the run
 
 
 class TrainingDivergedError(RecJobError):
-    """The loss or gradients went non-finite, or DeepSpeed skipped too many steps in a row; nothing was saved."""
+    """The loss or gradients went non-finite, the loss exploded while finite, or DeepSpeed skipped too many steps in
+    a row; the diverged state was not saved."""
+
+
+def best_dir(job: RecJob) -> Path:
+    """Where the best evaluation's checkpoint is kept: ``OUT/best``."""
+    return Path(job.config.out) / "best"
+
+
+def early_stopping(job: RecJob) -> EarlyStopping | None:
+    """The job's keep-best / early-stopping tracker (None without ``--early-stop-metric``); on --resume it starts
+    from the best kept so far (``OUT/best/best.json``)."""
+    cfg = job.config
+    if cfg.early_stop_metric is None:
+        return None
+    tracker = EarlyStopping(cfg.early_stop_metric, cfg.patience, cfg.min_delta)  # type: ignore[arg-type]
+    if cfg.resume:
+        tracker.restore(best_dir(job))
+    return tracker
 
 
 def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,
                ckpt_dir: Path) -> LoopResult:
-    """Train from ``progress`` until ``job.config.steps`` (per-rank streams) or until the stream ends.
+    """Train from ``progress`` until ``job.config.steps`` (per-rank streams), the stream's end or an early stop.
 
     Closes ``stream`` (stops reading ahead) before it returns; its ``state()`` stays valid for a save.
     Raises :class:`TrainingDivergedError` (after closing ``stream``) when training diverges; the diverged
-    state is not saved, so the last good checkpoint stays ``latest``.
+    state is not saved, so the last good checkpoint stays ``latest`` (and the best one stays in OUT/best).
     """
+    tracker = early_stopping(job)
     try:
-        return _train_loop(job, engine, stream, progress, faults, ckpt_dir)
+        return _train_loop(job, engine, stream, progress, faults, ckpt_dir, tracker)
     except DivergenceError as exc:
         stream.close()
-        raise TrainingDivergedError(str(exc)) from None
+        message = str(exc)
+        if tracker is not None and tracker.best is not None and "checkpoint" in tracker.best:
+            b = tracker.best
+            message += (f"; the best evaluation's checkpoint {b['checkpoint']} ({tracker.metric} "
+                        f"{b[tracker.key]:.4f} at step {b['step']}) is kept")
+        raise TrainingDivergedError(message) from None
 
 
 def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,
-                ckpt_dir: Path) -> LoopResult:
+                ckpt_dir: Path, tracker: EarlyStopping | None = None) -> LoopResult:
     from tqdm import tqdm
 
     cfg = job.config
@@ -84,8 +114,25 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
     ds_engine = deepspeed_engine_of(engine)  # its skipped steps and gradient norm feed the divergence guard
     # its error names the checkpoint to resume from: the one on disk now, then each one this loop saves
     guard = DivergenceGuard(cfg.max_skipped_steps, engine.worker_group, lockstep=not stream.is_claimed,
-                            last_checkpoint=latest_checkpoint(ckpt_dir))
-    while (stream.is_claimed or progress.step < cfg.steps) and not exhausted:
+                            last_checkpoint=latest_checkpoint(ckpt_dir), explosion_factor=cfg.loss_explosion_factor)
+    positives, labelled = 0.0, 0  # this rank's labels so far: the constant predictor the explosion check compares with
+    stop = False  # --patience ran out at the last evaluation
+
+    def judge(entry: dict[str, float]) -> bool:
+        """Keep the evaluation's checkpoint if it is the best; whether patience ran out."""
+        if tracker is None:
+            return False
+        verdict = tracker.observe(entry)
+        if verdict.improved:
+            guard.check_params(engine.module, progress.step)  # never keep a diverged state as the best
+            tracker.saved(checkpoint.save_best(engine, best_dir(job), progress, stream, job.rank))
+            if job.rank == 0:
+                tracker.write(best_dir(job))
+        if verdict.stop and job.rank == 0:
+            notice.info("%s", tracker.reason())
+        return verdict.stop
+
+    while (stream.is_claimed or progress.step < cfg.steps) and not exhausted and not stop:
         t0, step_samples, micro_done = time.perf_counter(), 0, 0
         # only periodic saves and epoch ends need where the step started
         mark = stream.mark() if cfg.save_every or cfg.epochs > 1 else None
@@ -96,10 +143,16 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
             while samples == 0 and stream.next_epoch():  # an epoch ended on some rank: every rank takes the next
                 if micro_done == 0:  # at a step boundary the model is the epoch's end: score it before going on
                     te = time.perf_counter()
-                    history.extend(_evaluate(engine, job, stream, progress, e) for e in stream.epoch_ends(None))
+                    for e in stream.epoch_ends(None):
+                        history.append(_evaluate(engine, job, stream, progress, e))
+                        stop = judge(history[-1]) or stop
                     t0 += time.perf_counter() - te  # evaluation is no training time
+                    if stop:
+                        break
                 batch = next(batches, None)
                 samples = stream.step_samples(batch, engine.worker_group)
+            if stop:  # at a step boundary (micro_done == 0): nothing of this step was trained
+                break
             if samples == 0:
                 exhausted = True  # a partial accumulation window is dropped, like drop_last
                 break
@@ -114,10 +167,13 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
             micro_done += 1
             step_samples += samples  # claimed: this worker's samples (the job's are summed at the end)
             loss_value = loss.item()
-            guard.loss(loss_value)
+            positives, labelled = positives + float(batch.labels.sum()), labelled + batch.labels.numel()
+            guard.loss(loss_value, baseline=bce_entropy(positives / labelled))
             loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         if exhausted:
             progress = dataclasses.replace(progress, micro_batches=progress.micro_batches + micro_done)
+            break
+        if stop:
             break
         progress = progress.after_step(micro_done, step_samples)
         guard.end_step(progress.step, ds_engine)
@@ -135,23 +191,24 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
         ended = stream.epoch_ends(mark)
         if ended or (cfg.eval_every and progress.step % cfg.eval_every == 0 and progress.step < cfg.steps):
             history.append(_evaluate(engine, job, stream, progress, ended[-1] if ended else None))
+            stop = judge(history[-1])
         if cfg.save_every and stream.save_due(cfg.save_every, progress, mark):
             guard.check_params(engine.module, progress.step)
             last_ckpt = checkpoint.save(engine, ckpt_dir, progress, stream, job.rank)
-            guard.checkpoint_saved(last_ckpt)
+            guard.checkpoint_saved(last_ckpt, progress.step)
     guard.check_params(engine.module, progress.step)  # the runner's final save follows: never of a diverged state
     bar.close()
     stream.close()  # stop reading ahead before evaluating
-    if exhausted and job.rank == 0 and not stream.is_claimed:
+    if exhausted and job.rank == 0 and not stream.is_claimed and not stop:
         if cfg.epochs > 1:
             notice.info("%d epochs of the training data done after %d steps (%s samples)", cfg.epochs,
                         progress.step, f"{progress.samples:,}")
         else:
             notice.info("training data ran out after %d steps (%s samples)", progress.step, f"{progress.samples:,}")
     finished = stream.finished_epochs()
-    if cfg.epochs > 1 and finished < cfg.epochs and job.rank == 0:
+    if cfg.epochs > 1 and finished < cfg.epochs and job.rank == 0 and not stop:
         notice.info("--steps %d ended the job in epoch %d of --epochs %d (0-based)", cfg.steps, finished, cfg.epochs)
-    return LoopResult(progress, train_time, samples_this_run, history, last_ckpt, exhausted, finished)
+    return LoopResult(progress, train_time, samples_this_run, history, last_ckpt, exhausted, finished, tracker)
 
 
 def _evaluate(engine: RecEngine, job: RecJob, stream: TrainStream, progress: Progress,

@@ -24,7 +24,7 @@ from sparse_scale.rec.combinations import check_combinations
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import FaultInjector
 from sparse_scale.rec.job import RecJob
-from sparse_scale.rec.loop import train_loop
+from sparse_scale.rec.loop import best_dir, train_loop
 from sparse_scale.rec.summary import RecSummary, ServerSummary
 from sparse_scale.reporting import wandb_dir
 from sparse_scale.threads import set_default_threads
@@ -74,13 +74,24 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
         raise RecJobError(f"--train-files {' '.join(config.train_files)}: the training data ended before step 1 "
                           f"(no whole batch of {job.micro_batch * job.grad_accum} good rows for this rank)")
 
-    metrics = evaluation.evaluate(engine, job)
+    tracker, history = loop.early_stop, loop.eval_history
+    stopped = tracker is not None and tracker.stopped_at is not None
     x = stream.monitor_x(loop.progress)
-    history, events = loop.eval_history, [(f"eval/{k}", v, x) for k, v in metrics.items()]
-    if config.epochs > 1 and loop.finished_epochs == config.epochs:  # the end evaluation scores the last epoch
-        history = [*history, {"step": loop.progress.step, "epoch": config.epochs - 1, **metrics}]
-        events.append(("eval/epoch", float(config.epochs - 1), x))
-    engine.write_events(events)
+    if stopped and history and history[-1]["step"] == loop.progress.step:  # stopped right after scoring this model
+        metrics = {k: v for k, v in history[-1].items() if k not in ("step", "epoch")}
+    else:
+        metrics = evaluation.evaluate(engine, job)
+        events = [(f"eval/{k}", v, x) for k, v in metrics.items()]
+        end = {"step": loop.progress.step, **metrics}
+        if config.epochs > 1 and loop.finished_epochs == config.epochs:  # the end evaluation scores the last epoch
+            end = {"step": loop.progress.step, "epoch": config.epochs - 1, **metrics}
+            history = [*history, end]
+            events.append(("eval/epoch", float(config.epochs - 1), x))
+        engine.write_events(events)
+        if tracker is not None and tracker.observe(end, final=True).improved:  # the last model may be the best
+            tracker.saved(checkpoint.save_best(engine, best_dir(job), loop.progress, stream, job.rank))
+            if job.rank == 0:
+                tracker.write(best_dir(job))
     last_ckpt = loop.last_checkpoint
     if last_ckpt is None or Path(last_ckpt).name != stream.tag(loop.progress):
         last_ckpt = checkpoint.save(engine, ckpt_dir, loop.progress, stream, job.rank)
@@ -92,7 +103,7 @@ def run(config: RecJobConfig, ctx: DistContext | None = None, wandb_mode: str | 
         model=config.model, world_size=ctx.world_size, launcher=ctx.launcher, steps=loop.progress.step,
         samples=samples, samples_per_s=rate, train_time_s=loop.train_time_s, local_samples=loop.local_samples,
         metrics=metrics, checkpoint=last_ckpt, wandb_mode=wandb_mode, wandb_dir=wandb_dir(job.rank),
-        eval_history=history,
+        eval_history=history, best=tracker.summary() if tracker is not None else None,
         picasso=picasso_summary(engine.module) if job.picasso is not None else None,
         gba=engine.block_summary(),
         moe=moe_tower.expert_load_summary(engine, moe_tower.moe_block(job)))  # a collective over the workers

@@ -31,6 +31,7 @@ class RecSummary:
     picasso: dict[str, Any] | None = None  # cache hit rate (training lookups), micro-batches
     gba: dict[str, Any] | None = None  # mode, switches and their cost, staleness, per-worker samples/s
     moe: dict[str, Any] | None = None  # MoE tower: experts and each layer's load (sparse_scale.rec.moe_tower)
+    best: dict[str, Any] | None = None  # --early-stop-metric: the best evaluation, its checkpoint, the early stop
 
     is_server = False
 
@@ -48,6 +49,8 @@ class RecSummary:
             out["moe"] = self.moe
         if self.gba is not None:
             out["gba"] = self.gba
+        if self.best is not None:
+            out["best"] = self.best
         return out
 
 
@@ -119,6 +122,30 @@ def gba_rows(g: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def epoch_rows(history: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Summary-table rows of the per-epoch evaluations (entries with an ``epoch``): AUC and log loss of each.
+
+    Example::
+
+        epoch_rows([{"step": 10, "epoch": 0, "auc": 0.71, "log_loss": 0.52}])
+        # [("  epoch 0 (step 10)", "AUC 0.7100, log loss 0.5200")]
+    """
+    return [(f"  epoch {h['epoch']} (step {h['step']})", f"AUC {h['auc']:.4f}, log loss {h['log_loss']:.4f}")
+            for h in history if "epoch" in h]
+
+
+def best_rows(b: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Summary-table rows of ``--early-stop-metric``: the best evaluation, its checkpoint, and the early stop."""
+    if not b or "step" not in b:
+        return []
+    where = f"step {b['step']}" + (f", epoch {b['epoch']}" if "epoch" in b else "")
+    rows = [(f"best by {b['metric']}", f"{where}: AUC {b['auc']:.4f}, log loss {b['log_loss']:.4f}"),
+            ("best checkpoint", str(b.get("checkpoint", "")))]
+    if b.get("early_stopped"):
+        rows.append(("early stop", f"at step {b['stopped_at_step']} (patience {b['patience']})"))
+    return rows
+
+
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The final summary table's ``(name, value)`` rows of a summary.json mapping."""
     rows = [
@@ -133,6 +160,9 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("best reachable AUC", f"{s['bayes_auc']:.4f}  (planted teacher; gap {gap:.4f})"))
     teacher = f"  (teacher {s['bayes_log_loss']:.4f})" if "bayes_log_loss" in s else ""
     rows.append(("log loss", f"{s['log_loss']:.4f}" + teacher))
+    epochs = epoch_rows(s.get("eval_history") or [])
+    rows += [("per-epoch held-out", f"{len(epochs)} epoch(s)")] + epochs if epochs else []
+    rows += best_rows(s.get("best"))
     if "cache_hit_rate" in s.get("picasso", {}):
         rows.append(("picasso cache hit rate", f"{s['picasso']['cache_hit_rate']:.4f}"))
     rows += bounds_rows((s.get("picasso") or {}).get("bounds_check"))
