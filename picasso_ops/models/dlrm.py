@@ -20,7 +20,8 @@ from torch import nn
 
 from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
 from picasso_ops.models.stages import DLRMStages
-from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs, TowerFactory, mlp_tower
+from picasso_ops.models.layers import TowerFactory, mlp_tower
+from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 
 __all__ = ["DLRMArgs", "DLRM", "DotInteraction", "packed_dlrm"]
 
@@ -41,6 +42,7 @@ class DLRMArgs:
     bottom: tuple[int, ...] = (64,)  # hidden widths; a last layer to embedding_dim is added
     top: tuple[int, ...] = (128, 64)  # hidden widths; a last layer to one logit is added
     pooling: str = "sum"
+    dropout: float = 0.0  # after each hidden ReLU of the top MLP (training only)
 
 
 class DotInteraction(nn.Module):
@@ -97,7 +99,7 @@ class DLRM(nn.Module, StageableModel):
         # a submodule, so the model's own state is all in children (InterleavedForward wraps such models)
         self.interaction = DotInteraction(len(args.vocab_sizes))
         width = args.embedding_dim + self.interaction.num_pairs
-        self.top = top_mlp(width) if top_mlp is not None else mlp_tower(width, args.top)
+        self.top = top_mlp(width) if top_mlp is not None else mlp_tower(width, args.top, dropout=args.dropout)
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)  # [B, D]

@@ -29,13 +29,14 @@ from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollectio
 from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection
 from picasso_ops.embedding.spec import TableSpec
 from picasso_ops.jagged import JaggedBatch
+from picasso_ops.models.layers import TowerFactory, fm_interaction, mlp_tower
 from picasso_ops.models.stages import WideAndDeepStages
 
 logger = logging.getLogger(__name__)
 
 Sharding = Literal["data_parallel", "row_wise"]
-TowerFactory = Callable[[int], nn.Module]
-"""Builds a model's MLP from its input width: a module mapping ``[B, width]`` rows to ``[B, 1]`` logits."""
+__all__ = ["FieldEmbeddings", "PackedFieldEmbeddings", "SparseArgs", "TowerFactory", "WideAndDeep", "WideAndDeepArgs",
+           "mlp_tower", "packed_wide_and_deep"]  # TowerFactory, mlp_tower: from .layers, named here as before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,28 +47,7 @@ class WideAndDeepArgs:
     hidden: tuple[int, ...] = (256, 128)
     pooling: str = "mean"  # of a multi-hot field's rows
     fm: bool = True  # the factorisation-machine pairwise term over field embeddings
-
-
-def mlp_tower(width: int, hidden: tuple[int, ...], out: int = 1, last_relu: bool = False) -> nn.Sequential:
-    """``Linear -> ReLU`` per hidden width, then ``Linear(.., out)`` (and a ReLU with ``last_relu``).
-
-    Example::
-
-        >>> mlp_tower(8, (4,))
-        Sequential(
-          (0): Linear(in_features=8, out_features=4, bias=True)
-          (1): ReLU()
-          (2): Linear(in_features=4, out_features=1, bias=True)
-        )
-    """
-    layers: list[nn.Module] = []
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, out))
-    if last_relu:
-        layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    dropout: float = 0.0  # after each hidden ReLU of the deep MLP (training only)
 
 
 class FieldEmbeddings(nn.Module):
@@ -126,14 +106,14 @@ class WideAndDeep(nn.Module, StageableModel):
         self.wide_dense = nn.Linear(args.num_dense, 1)
         width = num_fields * args.embedding_dim + args.num_dense
         # built where the default MLP is, so the RNG draws of everything before it are the same either way
-        self.mlp = deep_tower(width) if deep_tower is not None else mlp_tower(width, args.hidden)
+        self.mlp = deep_tower(width) if deep_tower is not None else mlp_tower(width, args.hidden,
+                                                                               dropout=args.dropout)
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         emb = self.embeddings(values, lengths)  # [B, F, D]
         logit = self.wide(values, lengths).sum(dim=(1, 2)) + self.wide_dense(dense).squeeze(-1)
         if self.args.fm:
-            # sum_{i<j} <e_i, e_j> = ((sum e)^2 - sum e^2) / 2, per sample
-            logit = logit + 0.5 * (emb.sum(1).pow(2) - emb.pow(2).sum(1)).sum(-1)
+            logit = logit + fm_interaction(emb)
         deep_in = torch.cat([emb.flatten(1), dense], dim=1)
         return logit + self.mlp(deep_in).squeeze(-1)
 

@@ -61,9 +61,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-hot", type=int, default=None, help="max ids per field and sample (synthetic; default 3)")
     p.add_argument("--num-dense", type=int, default=None, help="dense features (synthetic; default 13, files have 13)")
     p.add_argument("--embedding-dim", type=int, default=16)
-    p.add_argument("--model", choices=["wide_deep", "dlrm"], default="wide_deep",
-                   help="wide-and-deep (wide ids + FM + MLP, mean pooling) or DLRM (bottom MLP, dot interactions, "
-                        "top MLP, sum pooling); either over per-field tables, or packed ones with a picasso block")
+    p.add_argument("--model", choices=["wide_deep", "dlrm", "deepfm", "dcn_v2"], default="wide_deep",
+                   help="wide_deep: wide ids + FM + MLP (mean pooling); dlrm: bottom MLP, dot interactions, top MLP "
+                        "(sum pooling); deepfm: first-order weights + FM over the categorical and dense fields + an "
+                        "MLP sharing their vectors; dcn_v2: full-rank cross layers, then an MLP (stacked); each over "
+                        "per-field tables, or packed ones with a picasso block")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="dropout after each hidden ReLU of the model's MLP tower (deep MLP, DLRM's top MLP, an MoE "
+                        "tower's hidden layers), in training only (0: none)")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out samples (synthetic; default 200000)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -158,7 +163,7 @@ def job_config(args: argparse.Namespace) -> RecJobConfig:
     config = RecJobConfig(
         config=args.config, steps=args.steps, out=args.out, data=args.data, train_files=tuple(args.train_files),
         eval_files=tuple(args.eval_files), max_bad_fraction=args.max_bad_fraction, **_synthetic_flags(args),
-        vocab=args.vocab, embedding_dim=args.embedding_dim, model=args.model,
+        vocab=args.vocab, embedding_dim=args.embedding_dim, model=args.model, dropout=args.dropout,
         eval_every=args.eval_every, save_every=args.save_every, max_skipped_steps=args.max_skipped_steps,
         resume=args.resume, seed=args.seed,
         threads=args.threads, stragglers=tuple(stragglers), server_tables=args.server_tables,

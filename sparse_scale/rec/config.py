@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from picasso_ops.data.synthetic import SyntheticConfig
 
 DataKind = Literal["synthetic", "criteo", "parquet"]
-ModelKind = Literal["wide_deep", "dlrm"]
+ModelKind = Literal["wide_deep", "dlrm", "deepfm", "dcn_v2"]  # picasso_ops.models.MODEL_NAMES
 DATA_KINDS: tuple[str, ...] = ("synthetic", "criteo", "parquet")
-MODEL_KINDS: tuple[str, ...] = ("wide_deep", "dlrm")
+MODEL_KINDS: tuple[str, ...] = ("wide_deep", "dlrm", "deepfm", "dcn_v2")
 
 
 class RecJobError(ValueError):
@@ -115,6 +115,7 @@ class RecJobConfig:
     num_dense: int = 13
     embedding_dim: int = 16
     model: ModelKind = "wide_deep"
+    dropout: float = 0.0  # after each hidden ReLU of the model's MLP tower, in training only
     eval_samples: int = 200_000  # synthetic only
     eval_every: int = 0  # 0: only at the end
     save_every: int = 0  # 0: only at the end
@@ -162,6 +163,9 @@ class RecJobConfig:
         for flag, value in (("--ps-link-latency-ms", self.ps_link_latency_ms), ("--ps-link-mbit", self.ps_link_mbit)):
             if not (math.isfinite(value) and value >= 0):
                 raise RecJobError(f"{flag} {value}: must be a finite number >= 0")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:  # also false for NaN
+            raise RecJobError(f"--dropout {self.dropout!r}: must be a probability in [0, 1) (0: no dropout)")
         if not 0.0 <= self.max_bad_fraction <= 1.0:  # also false for NaN
             raise RecJobError(f"--max-bad-fraction {self.max_bad_fraction}: must be in [0, 1]")
         # tuples, so that the frozen config is hashable and cannot be changed through a list it was given

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from picasso_ops.data.synthetic import SyntheticConfig
-from picasso_ops.models import DLRMArgs, WideAndDeepArgs
+from picasso_ops.models import DCNv2Args, DeepFMArgs, DLRMArgs, WideAndDeepArgs, model_args
 from sparse_scale.rec.config import RecJobConfig
 
 FILE_FIELDS, FILE_DENSE = 26, 13  # Criteo's layout: 13 integer and 26 categorical columns
@@ -46,7 +46,7 @@ class RecJob:
     micro_batch: int
     grad_accum: int
     synthetic: SyntheticConfig | None  # None: file data
-    model_args: WideAndDeepArgs | DLRMArgs
+    model_args: WideAndDeepArgs | DLRMArgs | DeepFMArgs | DCNv2Args  # the shape of --model
 
     @classmethod
     def build(cls, config: RecJobConfig, rank: int, world_size: int) -> "RecJob":
@@ -63,12 +63,11 @@ class RecJob:
         else:
             schema = config.data_schema()  # the files' columns: --schema, else Criteo's FILE_FIELDS and FILE_DENSE
             vocab_sizes, num_dense = [config.vocab] * schema.num_categorical, schema.num_dense
-        shape = DLRMArgs if config.model == "dlrm" else WideAndDeepArgs
         return cls(config=config, rank=rank, workers=workers, ds=ds,
                    micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 256)),
                    grad_accum=int(ds.get("gradient_accumulation_steps", 1)), synthetic=synthetic,
-                   model_args=shape(vocab_sizes=vocab_sizes, num_dense=num_dense,
-                                    embedding_dim=config.embedding_dim))
+                   model_args=model_args(config.model, vocab_sizes=vocab_sizes, num_dense=num_dense,
+                                         embedding_dim=config.embedding_dim, dropout=config.dropout))
 
     @property
     def picasso(self) -> Any:

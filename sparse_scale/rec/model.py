@@ -15,7 +15,8 @@ import torch
 
 from picasso_ops.block import (PicassoBlockError, apply_picasso_block, cached_field_embeddings,
                                scheduled_sparse_lr)
-from picasso_ops.models import DLRM, SparseArgs, WideAndDeep, packed_dlrm, packed_wide_and_deep
+from picasso_ops.models import (SparseArgs, build_model as build_named_model, packed_dcn_v2, packed_deepfm,
+                                 packed_dlrm, packed_wide_and_deep, tower_argument)
 from sparse_scale.rec.config import RecJobError
 from sparse_scale.rec.job import RecJob
 from sparse_scale.rec.moe_tower import tower_factory
@@ -40,18 +41,19 @@ def tower_kwargs(job: RecJob) -> dict[str, Any]:
     factory = tower_factory(job)
     if factory is None:
         return {}
-    return {"top_mlp": factory} if job.config.model == "dlrm" else {"deep_tower": factory}
+    return {tower_argument(job.config.model): factory}
 
 
 def _server_table_model(job: RecJob) -> torch.nn.Module:
     from gba_engine.tables import ServerFieldEmbeddings
 
     a, seed = job.model_args, job.config.seed
-    deep = ServerFieldEmbeddings(a.vocab_sizes, a.embedding_dim, a.pooling, 0.01, "deep", seed=seed)
-    if job.config.model == "dlrm":
-        return DLRM(a, embeddings=deep, **tower_kwargs(job))
-    return WideAndDeep(a, embeddings=deep, wide=ServerFieldEmbeddings(a.vocab_sizes, 1, a.pooling, 0.0, "wide",
-                                                                      seed=seed), **tower_kwargs(job))
+
+    def tables(dim: int, init_std: float, prefix: str) -> torch.nn.Module:
+        return ServerFieldEmbeddings(a.vocab_sizes, dim, a.pooling, init_std, prefix, seed=seed)
+
+    # the deep tables first, then (wide_deep, deepfm) the first-order ones, as before this helper
+    return build_named_model(job.config.model, a, tables, tower_factory(job), prefix="deep")
 
 
 def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
@@ -64,24 +66,54 @@ def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
     try:
         # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
         workdir = Path(job.config.out)
-        if job.config.model == "dlrm":  # with a cache, apply_picasso_block moves the packed tables into the store
+        if job.config.model == "dlrm" and block.sharding == "auto":  # tables placed by the sharding planner
+            from picasso_ops.models import DLRM
+
+            emb = _planned_tables(job, block)(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
+            model = DLRM(args, embeddings=emb, **tower_kwargs(job))
+        elif job.config.model == "dlrm":  # with a cache, apply_picasso_block moves the packed tables into the store
             model = packed_dlrm(args, sparse, **tower_kwargs(job))
         else:
             factory = None
             if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
                 factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
-            model = packed_wide_and_deep(args, sparse, field_embeddings=factory, **tower_kwargs(job))
+            elif block.sharding == "auto":
+                factory = _planned_tables(job, block)
+            build = {"wide_deep": packed_wide_and_deep, "deepfm": packed_deepfm,
+                     "dcn_v2": packed_dcn_v2}[job.config.model]
+            model = build(args, sparse, field_embeddings=factory, **tower_kwargs(job))
         return apply_picasso_block(model, block, workdir=workdir, rank=job.rank)
     except PicassoBlockError as exc:
         raise RecJobError(f"{job.config.config}: {exc}") from None
 
 
+def _planned_tables(job: RecJob, block: Any) -> Any:
+    """The packed tables' factory for ``picasso.sharding: "auto"`` (``sparse_scale.planned_tables``).
+
+    The planner sees the job's micro-batch and ranks; on synthetic data also its ids per field and
+    their Zipf skew (the expected distinct ids of a rank's batch, per table), on files one id per field.
+    """
+    from picasso_ops.distributed.planner import expected_unique_ids
+    from sparse_scale.planned_tables import planned_field_embeddings
+
+    unique: dict[str, float] = {}
+    syn = job.synthetic
+    if syn is not None:
+        top = syn.max_ids_per_field
+        tops = top if isinstance(top, list) else [top] * syn.num_fields
+        for f, (rows, hi) in enumerate(zip(syn.field_vocab_sizes(), tops)):
+            draws = job.micro_batch * (syn.min_ids_per_field + hi) / 2
+            unique[f"emb{f}"] = unique[f"wide{f}"] = expected_unique_ids(rows, draws, zipf_exponent=syn.zipf_exponent)
+    return planned_field_embeddings(block, world_size=job.workers, batch_size=job.micro_batch, rank=job.rank,
+                                    ids_per_field=1.0, unique_ids=unique, prefixes=("emb", "wide"))
+
+
 def build_model(job: RecJob) -> torch.nn.Module:
     """The CTR model for this job.
 
-    Without a ``picasso`` block: wide-and-deep (``model="dlrm"``: DLRM) over one
-    ``nn.EmbeddingBag`` per field. With it: the same model over packed tables (packing, embedding_dim
-    and the fused sparse optimizer from the block), whose update runs in
+    Without a ``picasso`` block: ``--model``'s model (wide-and-deep, DLRM, DeepFM or DCN-v2; see
+    ``picasso_ops.models``) over one ``nn.EmbeddingBag`` per field. With it: the same model over
+    packed tables (packing, embedding_dim and the fused sparse optimizer from the block), whose update runs in
     ``engine_step`` at the accumulation boundary (see picasso_ops.distributed.step),
     served through a hot-row cache with a ``cache`` block and run as interleaved
     micro-batches with ``interleave.micro_batches > 1`` (see picasso_ops.block).
@@ -96,7 +128,6 @@ def build_model(job: RecJob) -> torch.nn.Module:
         return server_packed_model(job, job.picasso, **tower_kwargs(job))
     if job.config.server_tables:  # the combinations allow it with a gba block only
         return _server_table_model(job)
-    if job.picasso is None:
-        tower = tower_kwargs(job)  # a moe_proto block: the MLP is an MoE tower (sparse_scale.rec.moe_tower)
-        return DLRM(job.model_args, **tower) if job.config.model == "dlrm" else WideAndDeep(job.model_args, **tower)
+    if job.picasso is None:  # a moe_proto block: the MLP is an MoE tower (sparse_scale.rec.moe_tower)
+        return build_named_model(job.config.model, job.model_args, tower=tower_factory(job))
     return _packed_model(job, job.picasso)

@@ -50,7 +50,7 @@ from moe_proto.checkpoint import load_full_state_dict
 from moe_proto.config import MoEProtoConfig
 from moe_proto.from_block import moe_layer
 from moe_proto.param_groups import has_moe_layers
-from picasso_ops.models.wide_deep import TowerFactory
+from picasso_ops.models.layers import TowerFactory, check_dropout
 from sparse_scale.rec.config import RecJobError
 from sparse_scale.rec.engines import MonitorEvent
 
@@ -107,6 +107,7 @@ class MoETower(nn.Module):
         hidden: hidden widths (wide-and-deep's ``hidden``, DLRM's ``top``).
         block: the validated ``moe_proto`` block.
         replicated: hold every expert as a dense parameter (``moe_proto.replicated.ReplicatedMoE``; gba jobs).
+        dropout: after each hidden ReLU (before that layer's MoE FFN), in training only; 0: none.
 
     State names: ``hidden.{i}`` (Linear), ``moe.{i}`` (the MoE layer after hidden layer ``i``),
     ``head`` (the last Linear). With ``ep_size > 1`` the expert groups are created here
@@ -120,8 +121,10 @@ class MoETower(nn.Module):
         (torch.Size([32, 1]), True)
     """
 
-    def __init__(self, width: int, hidden: Sequence[int], block: MoEProtoConfig, replicated: bool = False) -> None:
+    def __init__(self, width: int, hidden: Sequence[int], block: MoEProtoConfig, replicated: bool = False,
+                 dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = check_dropout(dropout, "MoETower dropout")
         hidden = tuple(int(h) for h in hidden)
         where = moe_layer_indices(len(hidden), block.moe_every)
         if not where:
@@ -162,6 +165,8 @@ class MoETower(nn.Module):
         h, aux = rows, rows.new_zeros((), dtype=torch.float32)
         for i, linear in enumerate(self.hidden):
             h = F.relu(linear(h))
+            if self.dropout > 0.0:
+                h = F.dropout(h, self.dropout, self.training)
             layer = self.moe[str(i)] if str(i) in self.moe else None
             if layer is not None:
                 out, l_aux, _ = layer(h)
@@ -263,7 +268,8 @@ def tower_factory(job: "RecJob") -> TowerFactory | None:
                     "dropless" if block.dropless else f"capacity factor {block.capacity_factor}",
                     moe_layer_indices(len(hidden), block.moe_every), hidden,
                     "replicated" if job.gba is not None else f"ep_size {block.ep_size}")
-    return functools.partial(MoETower, hidden=hidden, block=block, replicated=job.gba is not None)
+    return functools.partial(MoETower, hidden=hidden, block=block, replicated=job.gba is not None,
+                             dropout=job.config.dropout)
 
 
 def load_events(towers: Sequence[tuple[str, MoETower]], x: int) -> list[MonitorEvent]:
