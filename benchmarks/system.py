@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -489,6 +490,217 @@ def profile_table(prof: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------- report
 
 
+# --------------------------------------------------------------------------------------------- section auto
+
+AUTO_SECTION = "## GBA auto mode side by side: sync phases at plain speed, a straggler in each of five places (issue 28)"
+SLOW_PLACES = ("data", "forward", "backward", "between", "optimizer")
+AUTO_WORKERS = 2
+
+
+class _Slowdown:
+    """Worker 1's injected straggler of one run (set in its process by :func:`auto_rank`)."""
+
+    place: str | None = None
+    sleep_s = 0.0
+    start = end = 0  # job steps [start, end)
+    engine: Any = None  # the rec job's engine, caught at its first forward
+    laps: list = []  # (job step, own seconds) of every update of a gba engine (its step clock)
+
+    @classmethod
+    def job_step(cls) -> int:
+        eng = getattr(cls.engine, "engine", None)
+        if eng is None:
+            return -1
+        return int(eng.job_step) if hasattr(eng, "job_step") else int(eng.global_steps)
+
+    @classmethod
+    def sleep(cls, place: str) -> None:
+        if cls.place == place and cls.start <= cls.job_step() < cls.end:
+            time.sleep(cls.sleep_s)
+
+
+def _install_slowdown(place: str | None, sleep_s: float, start: int, end: int) -> None:
+    """Patch this process's rec job so that it sleeps ``sleep_s`` in ``place`` for job steps [start, end).
+
+    The five places of a step: ``data`` (the stream's batch accounting right after the batch is read),
+    ``forward`` (before the engine's forward), ``backward`` (inside autograd's backward: a hook on the
+    loss), ``between`` (after ``backward()``, before ``step()``) and ``optimizer`` (inside the optimizer
+    step: DeepSpeed's, or the gba phase's push). Also records the gba engine's own step times.
+    """
+    import deepspeed.runtime.engine as ds_engine_mod
+
+    from gba_engine.engine import GBAEngine
+    from gba_engine.phases import GBAPhase
+    from sparse_scale.rec import data, engines
+
+    _Slowdown.place, _Slowdown.sleep_s, _Slowdown.start, _Slowdown.end = place, sleep_s, start, end
+    _Slowdown.laps = []
+
+    def wrap(cls: Any, name: str, before: Any) -> None:
+        original = getattr(cls, name)
+
+        def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before(self, *args)
+            return original(self, *args, **kwargs)
+        setattr(cls, name, patched)
+
+    def catch(self: Any, *args: Any) -> None:
+        _Slowdown.engine = self
+        _Slowdown.sleep("forward")
+
+    def hook_loss(self: Any, loss: Any, *args: Any) -> None:
+        if loss.requires_grad:
+            loss.register_hook(lambda g: (_Slowdown.sleep("backward"), g)[1])
+
+    for cls in (engines.DeepSpeedRecEngine, engines.GBARecEngine):
+        wrap(cls, "__call__", catch)
+        wrap(cls, "backward", hook_loss)
+        wrap(cls, "step", lambda self, *a: _Slowdown.sleep("between"))
+    for cls in (data.RankStream, data.ClaimedBatches):
+        wrap(cls, "step_samples", lambda self, *a: _Slowdown.sleep("data"))
+    for cls in (ds_engine_mod.DeepSpeedEngine, GBAPhase):  # sync phases and the plain job step DeepSpeed's optimizer
+        wrap(cls, "step", lambda self, *a: _Slowdown.sleep("optimizer"))
+
+    original_after = GBAEngine._after_update
+
+    def after_update(self: Any) -> None:
+        _Slowdown.laps.append((int(self.job_step), float(self.ctx.clock.lap())))
+        original_after(self)
+    GBAEngine._after_update = after_update
+
+
+def auto_rank(rank: int, world_size: int, argv: list[str], place: str | None, sleep_s: float, start: int,
+              end: int) -> dict[str, Any]:
+    """``train_rec.train`` on this rank, worker 1 slowed in ``place``; its summary and the step clock's times."""
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    logging.getLogger("sparse_scale.rec.notice").setLevel(logging.WARNING)
+    _install_slowdown(place if rank == STRAGGLER_RANK else None, sleep_s, start, end)
+    from sparse_scale.rec import cli
+
+    summary = cli.train(cli.parse_args(argv))
+    return {"summary": summary, "laps": list(_Slowdown.laps)}
+
+
+def auto_run(workdir: Path, name: str, cfg: dict[str, Any], shape: Shape, place: str | None, sleep_s: float,
+             window: tuple[int, int], world_size: int) -> dict[str, Any]:
+    """One job of the auto section; rank 0's summary plus each worker's median own step time in the window."""
+    from sparse_scale.multiproc import run_distributed
+
+    slug = name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+    config = workdir / f"{slug}.json"
+    config.write_text(json.dumps(cfg, indent=1))
+    argv = train_rec_argv(config, workdir / slug, shape, shape.steps, False)
+    results = run_distributed(auto_rank, world_size, args=(argv, place, sleep_s, *window), timeout_s=RUN_TIMEOUT_S,
+                              init_process_group=False)
+    summary = results[0]["summary"]
+    own = [statistics.median([s for j, s in results[w]["laps"] if window[0] <= j < window[1]] or [math.nan])
+           for w in range(AUTO_WORKERS)]
+    gba = summary.get("gba") or {}
+    return {"samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
+            "eval_samples": int(summary["eval_samples"]), "switches": gba.get("switches"),
+            "switch_seconds": gba.get("switch_seconds"), "switch_bytes": gba.get("switch_bytes"),
+            "own_step_s": own, "command": "launch/train_rec.py " + " ".join(argv)}
+
+
+def auto_plan(shape: Shape, places: Sequence[str]) -> list[tuple[str, str | None, bool]]:
+    """(variant, straggler place, gba) of every run of one repetition, in the order they alternate."""
+    plan: list[tuple[str, str | None, bool]] = [("plain packed", None, False), ("auto", None, True)]
+    for place in places:
+        plan += [("auto", place, True), ("plain packed", place, False)]
+    return plan
+
+
+def auto_section(shape: Shape, workdir: Path, reps: int, places: Sequence[str] = SLOW_PLACES) -> list[Row]:
+    """Section ``auto``: the plain packed job and auto mode (2 workers + 1 server), without and with a straggler.
+
+    Worker 1 is slowed ``STRAGGLER_FACTOR`` x for the middle half of the job steps, in one place per
+    run: a sleep of (factor - 1) x the plain job's step time (measured by the first plain run of this
+    invocation). Every run of the plan is repeated ``reps`` times, alternating; one Row per run.
+    """
+    window = (shape.steps // 4, 3 * shape.steps // 4)
+    plain_cfg = ds_config(shape, True)
+    auto_cfg = ds_config(shape, True, gba_block("auto"))
+    sleep_s = 0.0
+    rows: list[Row] = []
+    for rep in range(reps):
+        for variant, place, gba in auto_plan(shape, places):
+            if place is not None and sleep_s == 0.0:
+                continue  # no plain step time to scale: the first plain run failed
+            row = Row(f"{variant}, {place or 'none'}", place is not None, shape.steps)
+            name = f"{variant}_{place or 'none'}_{rep}"
+            _attempt(row, auto_run, workdir, name, auto_cfg if gba else plain_cfg, shape, place, sleep_s, window,
+                     AUTO_WORKERS + (1 if gba else 0))
+            if row.ok and place is None and not gba and sleep_s == 0.0:
+                step_s = AUTO_WORKERS * shape.micro_batch / row.result["samples_per_s"]  # one job step, wall
+                sleep_s = (STRAGGLER_FACTOR - 1.0) * step_s
+                print(f"plain packed step {step_s * 1e3:.1f} ms: worker 1 sleeps {sleep_s * 1e3:.1f} ms a step in "
+                      f"its place for job steps {window[0]}-{window[1] - 1}", flush=True)
+            if row.ok:
+                row.result.update(rep=rep, sleep_s=sleep_s, window=window)
+            rows.append(row)
+    return rows
+
+
+def _median(rows: Sequence[Row], key: str) -> float:
+    vals = [r.result[key] for r in rows if r.ok and r.result.get(key) is not None]
+    return statistics.median(vals) if vals else math.nan
+
+
+def auto_table(rows: list[Row]) -> str:
+    """Markdown: medians per variant, k, the asynchronous ceiling, AUC against plain, switches; then the targets."""
+    by: dict[str, list[Row]] = {}
+    for r in rows:
+        by.setdefault(r.variant, []).append(r)
+    plain = by.get("plain packed, none", [])
+    base, base_auc = _median(plain, "samples_per_s"), _median(plain, "auc")
+    n = AUTO_WORKERS
+    head = ["variant, straggler place", "runs", "samples/s (median)", "x plain", "k (own step, w1/w0)",
+            "ceiling (window / whole run)", "x ceiling", "AUC (median)", "dAUC vs plain", "switches per run",
+            "switch s / MB (median)", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    verdict = []
+    ks: dict[str, float] = {}
+    for variant, group in by.items():
+        ok = [r for r in group if r.ok]
+        rate, auc = _median(group, "samples_per_s"), _median(group, "auc")
+        place = variant.rpartition(", ")[2]
+        k = ceiling = c = math.nan
+        if variant.startswith("auto") and place != "none":
+            ratios = [r.result["own_step_s"][1] / r.result["own_step_s"][0] for r in ok
+                      if all(t == t and t > 0 for t in r.result["own_step_s"])]
+            k = statistics.median(ratios) if ratios else math.nan
+            ks[place] = k
+        elif place != "none":
+            k = ks.get(place, math.nan)  # the plain job runs in lockstep: its k is the auto run's of that place
+        if place != "none" and k == k and ok:
+            c = (n - 1 + 1 / k) / n  # one worker k x slower, the others at full speed: the asynchronous ceiling
+            lo, hi = ok[0].result["window"]
+            f = (hi - lo) / ok[0].steps  # the window's share of the job steps
+            ceiling = base / ((1 - f) + f / c)
+        switches = [len(r.result["switches"] or []) for r in ok] if variant.startswith("auto") else []
+        secs = _median(ok, "switch_seconds") if switches else math.nan
+        mbytes = _median(ok, "switch_bytes") / 1e6 if switches else math.nan
+        fails = "; ".join(r.failed for r in group if not r.ok)
+        lines.append("| " + " | ".join([
+            variant, f"{len(ok)}/{len(group)}", f"{rate:,.0f}", f"{rate / base:.2f}",
+            f"{k:.2f}" if k == k else "-",
+            f"{base * c:,.0f} / {ceiling:,.0f}" if ceiling == ceiling else "-",
+            f"{rate / ceiling:.2f}" if ceiling == ceiling and variant.startswith("auto") else "-",
+            f"{auc:.4f}", f"{auc - base_auc:+.4f}", ", ".join(map(str, switches)) or "-",
+            f"{secs:.2f} / {mbytes:,.0f}" if secs == secs else "-", fails]) + " |")
+        if variant == "auto, none" and ok:
+            verdict.append(f"- auto without a straggler: **{rate / base:.2f}x** plain (target >= 0.9x: "
+                           f"**{'hit' if rate / base >= 0.9 else 'miss'}**), dAUC {auc - base_auc:+.4f}, switches "
+                           f"{switches} (target 0).")
+        elif variant.startswith("auto") and ceiling == ceiling:
+            verdict.append(f"- auto, straggler in {place}: **{rate / ceiling:.2f}x** the asynchronous ceiling of the "
+                           f"run (target >= 0.85x: **{'hit' if rate / ceiling >= 0.85 else 'miss'}**), dAUC "
+                           f"{auc - base_auc:+.4f} (target |dAUC| <= 0.001: "
+                           f"**{'hit' if abs(auc - base_auc) <= 0.001 else 'miss'}**), switches {switches} "
+                           "(target 2: one round trip).")
+    return "\n".join(lines + ["", *verdict])
+
+
 def rivals_table(rows: list[Row]) -> str:
     """Markdown: one line per run, then the targets against what was measured."""
     head = ["variant", "straggler", "steps", "samples/s", "AUC", "held-out samples", "note"]
@@ -580,7 +792,7 @@ def header(command: str, shape: Shape, started: str, load_before: tuple[float, .
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--sections", nargs="+", choices=["rivals", "cache", "profile"],
+    p.add_argument("--sections", nargs="+", choices=["rivals", "cache", "profile", "auto"],
                    default=["rivals", "cache"])
     p.add_argument("--steps", type=int, default=Shape.steps)
     p.add_argument("--slow-steps", type=int, default=Shape.slow_steps,
@@ -596,6 +808,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="bandwidth of the modelled link in the cache section, Mbit/s (0: latency only)")
     p.add_argument("--py-spy", default="py-spy", help="py-spy executable (--sections profile)")
     p.add_argument("--profile-steps", type=int, default=400)
+    p.add_argument("--reps", type=int, default=2, help="auto: repetitions of the alternating plan (medians)")
+    p.add_argument("--places", nargs="+", choices=SLOW_PLACES, default=list(SLOW_PLACES),
+                   help="auto: where worker 1 is slowed, one run per place")
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few steps, prints only (smoke test)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
@@ -609,7 +824,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = shlex.join([".venv/bin/python", "benchmarks/system.py", *(sys.argv[1:] if argv is None else argv)])
     out: dict[str, Any] = {}
     sections = [("rivals", RIVALS_SECTION, shape, rivals_table), ("cache", CACHE_SECTION, cache_shape, cache_table),
-                ("profile", PROFILE_SECTION, shape, profile_table)]
+                ("profile", PROFILE_SECTION, shape, profile_table), ("auto", AUTO_SECTION, shape, auto_table)]
     with tempfile.TemporaryDirectory(prefix="system_bench_") as tmp:
         for name, heading, sec_shape, table in sections:
             if name not in args.sections:
@@ -619,6 +834,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 out[name] = rivals(sec_shape, Path(tmp), args.shardings, not args.no_straggler, args.only)
             elif name == "profile":
                 out[name] = profile_train_rec(sec_shape, Path(tmp), args.py_spy, args.profile_steps)
+            elif name == "auto":
+                out[name] = auto_section(sec_shape, Path(tmp), 1 if args.quick else args.reps, args.places)
             else:
                 out[name] = cache_section(sec_shape, Path(tmp), LINK_LATENCIES_MS, args.cache_steps if not args.quick
                                           else sec_shape.steps, args.cache_mbit)
