@@ -85,7 +85,7 @@ BATCH = 256
 SEED = 1234
 OURS_PREFIX = "ours_"
 BASE_MODELS = ("lr", "fm", "deepctr_deepfm", "deepctr_dcn")
-OUR_MODELS = ("wide_deep", "dlrm")
+OUR_MODELS = ("wide_deep", "dlrm", "deepfm", "dcn_v2")
 DATA_SETS = ("movielens100k", "adult")
 
 
@@ -354,6 +354,7 @@ class ModelResult:
     epochs: list[EpochResult]
     seconds: float
     note: str = ""
+    kept: dict[str, Any] | None = None  # our runs with --early-stop-metric: summary.json's "best" (OUT/best)
 
     @property
     def best(self) -> EpochResult | None:
@@ -365,7 +366,7 @@ class ModelResult:
                 "best_epoch": None if best is None else best.epoch,
                 "best_auc": None if best is None else best.auc,
                 "best_log_loss": None if best is None else best.log_loss,
-                "epochs": [dataclasses.asdict(e) for e in self.epochs]}
+                "epochs": [dataclasses.asdict(e) for e in self.epochs], "kept": self.kept}
 
 
 def _tensors(split: Split) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -495,16 +496,17 @@ class OursSettings:
 
     config: Path = ROOT / "ds_configs" / "rec_picasso_cpu.json"
     vocab: int = 20000
-    layout: str = "criteo"  # "criteo": padded Criteo TSV; "schema": the data's own columns with --schema
+    layout: str = "schema"  # "schema": the data's own columns read with --schema; "criteo": padded Criteo TSV
     flags: tuple[str, ...] = ()
     overrides: tuple[tuple[str, Any], ...] = ()
     timeout_s: float = 3600.0
 
 
 def train_ours(model: str, data: DataSet, epochs: int, config: Path, workdir: Path,
-               ours: OursSettings = OursSettings()) -> list[EpochResult]:
+               ours: OursSettings = OursSettings()) -> tuple[list[EpochResult], dict[str, Any] | None]:
     """Our job (``config``: the written config) on the data in ``ours.layout``, one rank, through
-    ``python -m sparse_scale.rec``; the test split is scored after every epoch."""
+    ``python -m sparse_scale.rec``; the test split is scored after every epoch. Returns the epochs' metrics
+    and, with ``--early-stop-metric`` among ``ours.flags``, the kept best evaluation (summary.json's ``best``)."""
     train_tsv, test_tsv, data_flags = write_files(data, workdir, ours.layout)
     vocab, extra_flags, timeout_s = ours.vocab, ours.flags, ours.timeout_s
     out = workdir / f"ours_{model}"
@@ -523,10 +525,12 @@ def train_ours(model: str, data: DataSet, epochs: int, config: Path, workdir: Pa
     if not history:  # one epoch: the end evaluation is the only one
         history = [{"epoch": 0, **summary["metrics"]}]
     out_epochs = [EpochResult(int(h["epoch"]), float(h["auc"]), float(h["log_loss"])) for h in history if "epoch" in h]
-    if len(out_epochs) != epochs:
+    kept = summary.get("best")
+    stopped = bool(kept and kept.get("early_stopped"))
+    if len(out_epochs) != epochs and not (stopped and 0 < len(out_epochs) < epochs):
         raise BenchmarkError(f"ours_{model} on {data.name}: {out / 'summary.json'} has {len(out_epochs)} epoch "
                              f"evaluations, expected {epochs}")
-    return out_epochs
+    return out_epochs, kept
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -545,7 +549,9 @@ def run_model(name: str, data: DataSet, epochs: int, workdir: Path, config: Path
             return ModelResult(name, [], 0.0, "skipped: deepctr-torch not installed")
         epochs_out = train_deepctr(name.removeprefix("deepctr_"), data, epochs)
     elif name.startswith(OURS_PREFIX):
-        epochs_out = train_ours(name.removeprefix(OURS_PREFIX), data, epochs, config, workdir, ours)
+        epochs_out, kept = train_ours(name.removeprefix(OURS_PREFIX), data, epochs, config, workdir, ours)
+        note = f"early stop after epoch {len(epochs_out)}" if kept and kept.get("early_stopped") else ""
+        return ModelResult(name, epochs_out, time.perf_counter() - start, note, kept)
     else:
         raise BenchmarkError(f"unknown model {name!r}")
     return ModelResult(name, epochs_out, time.perf_counter() - start)
@@ -553,16 +559,19 @@ def run_model(name: str, data: DataSet, epochs: int, workdir: Path, config: Path
 
 def markdown_table(results: dict[str, list[ModelResult]]) -> str:
     """Per data set and model: best epoch's AUC and log loss, the last epoch's AUC, seconds."""
-    lines = ["| data set | model | best epoch | AUC (best) | log loss (best) | min log loss | AUC (last) | s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| data set | model | best epoch | AUC (best) | log loss (best) | min log loss | AUC (last) | kept: AUC, "
+             "log loss | s |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for ds, rows in results.items():
         for r in rows:
             if r.best is None:
-                lines.append(f"| {ds} | {r.model} | — | — | — | — | — | {r.note} |")
+                lines.append(f"| {ds} | {r.model} | — | — | — | — | — | — | {r.note} |")
                 continue
             b, last = r.best, r.epochs[-1]
+            kept = "" if not r.kept else (f"epoch {int(r.kept['epoch']) + 1}: {r.kept['auc']:.4f}, "
+                                          f"{r.kept['log_loss']:.4f}")
+            kept += f" ({r.note})" if r.note else ""
             lines.append(f"| {ds} | {r.model} | {b.epoch + 1} | {b.auc:.4f} | {b.log_loss:.4f} | "
-                         f"{min(e.log_loss for e in r.epochs):.4f} | {last.auc:.4f} | {r.seconds:.0f} |")
+                         f"{min(e.log_loss for e in r.epochs):.4f} | {last.auc:.4f} | {kept} | {r.seconds:.0f} |")
     return "\n".join(lines)
 
 
@@ -636,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--config", type=Path, default=ROOT / "ds_configs" / "rec_picasso_cpu.json")
     p.add_argument("--vocab", type=int, default=20000, help="hash buckets per field of our TSV reader")
-    p.add_argument("--layout", choices=["criteo", "schema"], default="criteo",
+    p.add_argument("--layout", choices=["criteo", "schema"], default="schema",
                    help="our runs' files: padded Criteo TSV, or the data's own columns read with --schema")
     p.add_argument("--lr-lr", type=float, default=0.01, help="Adam lr of the logistic regression")
     p.add_argument("--fm-lr", type=float, default=0.001, help="Adam lr of the factorization machine")

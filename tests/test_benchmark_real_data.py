@@ -145,6 +145,8 @@ def test_baselines_learn_and_the_table_reports_them(tmp_path):
         assert rows["deepctr_deepfm"].epochs == [] and "not installed" in rows["deepctr_deepfm"].note
     table = rd.markdown_table(results)
     assert table.count("\n") == 1 + len(models) and "| tiny | lr | " in table
+    kept = rd.ModelResult("ours_x", [rd.EpochResult(0, 0.7, 0.5)], 1.0, "", {"epoch": 0, "auc": 0.7, "log_loss": 0.5})
+    assert "| epoch 1: 0.7000, 0.5000 |" in rd.markdown_table({"tiny": [kept]})
     cfg = json.loads((tmp_path / "tiny" / "ours_config.json").read_text())
     assert cfg["wandb"]["enabled"] is False
 
@@ -173,6 +175,9 @@ def test_our_job_runs_on_the_benchmark_files(tmp_path):
     """Our model through ``python -m sparse_scale.rec`` on the written TSV files, per-epoch metrics read back."""
     data = tiny_dataset(1200)
     cfg = rd.ours_config(ROOT / "ds_configs" / "rec_picasso_cpu.json", [], tmp_path)
-    epochs = rd.train_ours("wide_deep", data, 2, cfg, tmp_path, rd.OursSettings(vocab=1000, timeout_s=150))
+    flags = ("--early-stop-metric", "logloss", "--patience", "0")
+    epochs, kept = rd.train_ours("deepfm", data, 2, cfg, tmp_path, rd.OursSettings(vocab=1000, flags=flags,
+                                                                                   timeout_s=150))
     assert [e.epoch for e in epochs] == [0, 1]
     assert all(0.5 < e.auc <= 1.0 and math.isfinite(e.log_loss) for e in epochs)
+    assert kept["log_loss"] == min(e.log_loss for e in epochs)  # the kept checkpoint is the run's best log loss
