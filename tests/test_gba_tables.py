@@ -190,14 +190,18 @@ def test_gba_lockstep_with_tables_equals_sync(launch):
 
 
 @pytest.mark.soak
-def test_auto_switches_both_ways_and_the_tables_never_move(launch):
+def test_auto_switches_both_ways_and_hands_the_tables_over_with_the_dense_part(launch):
     run = launch["w0"]["auto"]
     assert "gba" in run["modes"] and run["modes"][-1] == "sync", run["modes"]
     sw = run["summary"]["switches"]
     assert [(e["src"], e["dst"]) for e in sw][:2] == [("sync", "gba"), ("gba", "sync")]
-    # the hand-over moves the dense part only: 9 x 12 + 12 + 13 floats and SGD's no moments
+    # the dense part (9 x 12 + 12 + 13 floats, SGD: no moments) and, from the workers' sync phase, every
+    # table's rows (SGD: no row state), split over both servers
     dense_numel = 9 * 12 + 12 + 12 + 1
-    assert all(e["nbytes"] == dense_numel * 4 for e in sw), sw
+    table_numel = sum(rows * dim for _, rows, dim, _ in TABLES)
+    assert all(e["nbytes"] == (dense_numel + table_numel) * 4 for e in sw), sw
+    for name in run["tables"]:  # no worker diverges
+        assert torch.equal(run["tables"][name], launch["w1"]["auto"]["tables"][name])
     # lockstep gba + exact hand-over: the whole run is the one-process run on the global batches
     _assert_matches(run, _reference(AUTO_STEPS))
 
