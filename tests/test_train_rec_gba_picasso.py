@@ -40,10 +40,12 @@ def test_train_rec_packed_tables_on_the_server_in_auto_mode_and_resume(tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     switches = summary["gba"]["switches"]
     assert [(e["src"], e["dst"]) for e in switches][:2] == [("sync", "gba"), ("gba", "sync")], switches
-    # the hand-over carries the dense layers and their two Adam moments only: the packed tables stay on the server
+    # the hand-over carries the dense layers with their two Adam moments and, from the sync phase's workers,
+    # both packed tables with their row-wise Adagrad accumulators (gba.sync_tables "workers", the default)
     plain = WideAndDeep(WideAndDeepArgs([200] * 26, num_dense=13, embedding_dim=8))
     dense = sum(p.numel() for n, p in plain.named_parameters() if "bags" not in n)
-    assert all(e["nbytes"] == dense * 3 * 4 for e in switches), (dense, switches)
+    rows = 26 * 200
+    assert all(e["nbytes"] == dense * 3 * 4 + (rows * (8 + 1) + rows * (1 + 1)) * 4 for e in switches), (dense, switches)
     folder = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
     saved = load_tables(folder, 0, 1)
     assert sorted(saved) == ["deep0", "wide0"]  # picasso's layout: one packed table per collection
