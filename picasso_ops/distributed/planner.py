@@ -52,10 +52,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
 from typing import Literal, Mapping, Optional, Sequence
+
+import torch
 
 from picasso_ops.embedding.spec import TableSpec
 
@@ -169,19 +172,41 @@ class ShardingPlan:
                         self.world_size, counts["data_parallel"], counts["row_wise"], self.format())
 
 
-def expected_unique_ids(rows: int, draws: float) -> float:
-    """Expected distinct values among ``draws`` uniform draws from ``rows`` values: ``R (1 - (1 - 1/R)^n)``.
+def expected_unique_ids(rows: int, draws: float, *, zipf_exponent: Optional[float] = None) -> float:
+    """Expected distinct values among ``draws`` draws from ``rows`` values: ``sum_k 1 - (1 - p_k)^n``.
+
+    Uniform draws (``p_k = 1/R``): ``R (1 - (1 - 1/R)^n)``. ``zipf_exponent`` s: the k-th most
+    frequent value has ``p_k ~ k^-s`` (the synthetic stream's ids), far fewer distinct values.
 
     Example::
 
         >>> round(expected_unique_ids(1000, 1000), 1)
         632.3
+        >>> round(expected_unique_ids(1000, 1000, zipf_exponent=1.1), 1)
+        279.7
         >>> expected_unique_ids(1, 50)
         1.0
     """
     if rows < 1 or draws < 0:
         raise ValueError(f"expected_unique_ids: rows must be >= 1 and draws >= 0, got {rows} and {draws}")
-    return rows * -math.expm1(draws * math.log1p(-1.0 / rows)) if rows > 1 else float(draws > 0)
+    if zipf_exponent is None:
+        return rows * -math.expm1(draws * math.log1p(-1.0 / rows)) if rows > 1 else float(draws > 0)
+    if not zipf_exponent > 0:
+        raise ValueError(f"expected_unique_ids: zipf_exponent must be > 0, got {zipf_exponent}")
+    return _zipf_unique(int(rows), float(draws), float(zipf_exponent))
+
+
+@functools.lru_cache(maxsize=256)
+def _zipf_unique(rows: int, draws: float, s: float) -> float:
+    chunk = 1 << 20
+    norm = 0.0
+    for lo in range(1, rows + 1, chunk):
+        norm += float(torch.arange(lo, min(rows, lo + chunk - 1) + 1, dtype=torch.float64).pow(-s).sum())
+    total = 0.0
+    for lo in range(1, rows + 1, chunk):
+        p = torch.arange(lo, min(rows, lo + chunk - 1) + 1, dtype=torch.float64).pow(-s) / norm
+        total += float(-torch.expm1(draws * torch.log1p(-p.clamp(max=1 - 1e-16))).sum())
+    return total
 
 
 def _global_unique(rows: int, local: float, world_size: int) -> float:
@@ -232,7 +257,7 @@ def resolve_overrides(overrides: Mapping[str, str], specs: Sequence[TableSpec],
             if name in out and out[name] != value:
                 raise ValueError(f"{where}.{key}: table {name!r} is also overridden to {out[name]!r}")
             out[name] = value  # type: ignore[assignment]
-    return out
+    return {name: out[name] for name in names if name in out}  # in table order
 
 
 def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int, ids_per_field: float = 1.0,
