@@ -7,7 +7,8 @@ setup(
     description="DeepSpeed plugin for large-scale MoE and embeddings: GBA, PICASSO, expert prototyping",
     python_requires=">=3.10",
     packages=find_packages(include=["sparse_scale*", "picasso_ops*", "moe_proto*", "gba_engine*"]),
-    package_data={"picasso_ops.ops": ["csrc/*.cpp"]},  # the C++ ops are JIT-built from source on first use
+    # every native source and header ships: the C++ ops are JIT-built from source on first use
+    package_data={"picasso_ops.ops": ["csrc/*.cpp", "csrc/*.h"], "moe_proto": ["csrc/*.cpp", "csrc/*.h"]},
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19.8",

@@ -15,8 +15,8 @@ step times per step and says which mode ``auto`` should be in.
   1,024 workers is not flagged by chance. It recovers only below
   ``recover_ratio x reference`` (hysteresis: ``recover_ratio < slow_ratio``) for ``confirm_steps // 2``
   consecutive steps of its own. The confirmation tells a
-  straggler from CPU contention: a competing process makes one worker's median look 1.5x its peer's for
-  a few steps now and then, a straggler stays slow (``benchmarks/gba_sim.py --detector`` measures both).
+  straggler from CPU contention: a competing process makes one worker's median look well above its
+  peer's for a few steps now and then, a straggler stays slow (``benchmarks/gba_sim.py --detector`` measures both).
 * The suggested mode is ``gba`` while any worker is slow, else ``sync``; a change is
   released only ``min_dwell_steps`` after the previous one (and after the first window
   is full), so the job never flaps between modes.

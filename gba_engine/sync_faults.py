@@ -1,8 +1,8 @@
 """Faults of a sync phase, named: a lost worker (rank and host) on every survivor, a lost server within the lease.
 
 In a sync phase the workers train with DeepSpeed's collectives and, without server tables, never talk
-to the servers, so before issue 28 a fault there went unnoticed or unnamed: a killed server left the
-job training without its fallback, a killed worker left the others with gloo's "Connection reset by
+to the servers, so without this module a fault there goes unnoticed or unnamed: a killed server leaves the
+job training without its fallback, a killed worker leaves the others with gloo's "Connection reset by
 peer". Here:
 
 * :func:`explain_collective_failure`: a collective of a worker that raised is explained before it is
