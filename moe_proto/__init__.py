@@ -13,9 +13,10 @@ the ZeRO stage 3 layer class (``zero3``), routing statistics (``stats``) and the
 others add about 20 ms to ``import moe_proto`` (``python -X importtime``).
 """
 from .args import MoEArgs
+from .router import Router, RouterConfig
 from .dispatch import DispatchPlan, permute, plan_dispatch, unpermute
 from .experts import GroupedExperts, grouped_matmul, grouped_mm_supported
-from .layer import MoE
+from .layer import MoE, MoEBase, moe_class
 from .zero3 import ZeRO3MoE
 from .balance import ExpertBalance, reset_expert_loads, update_expert_biases
 from .routing import (RoutingRecord, RoutingStats, expert_capacity, multiplicative_jitter, route,
@@ -31,8 +32,12 @@ from .stats import LayerStats, MoEStatsLogger, collect_moe_stats, stats_events
 
 __all__ = [
     "MoE",
-    "ZeRO3MoE",  # MoE(..., zero_stage=3): the class DeepSpeed accepts under ZeRO stage 3
+    "MoEBase",  # the shared constructor and stages of MoE and ZeRO3MoE: isinstance(m, MoEBase) finds both
+    "ZeRO3MoE",  # the same layer in the class DeepSpeed accepts under ZeRO stage 3
+    "moe_class",  # MoE or ZeRO3MoE for a zero_optimization.stage
     "MoEArgs",
+    "Router",
+    "RouterConfig",
     # balance
     "ExpertBalance",
     "update_expert_biases",

@@ -47,8 +47,9 @@ from sparse_scale.base.zero_state import (base_optimizer, is_partitioned, read_f
 
 from .ds_layout import stacked_layout
 from .experts import GroupedExperts
-from .layer import MoE
-from .zero3 import flat_groups, gathered_value, is_zero3_param, read_full_state, write_full_state
+from .layer import MoEBase
+from sparse_scale.base.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
+                                           write_full_state)
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +60,16 @@ _SUBDIR = "moe_proto"
 _EXPERT_FILE = re.compile(r"experts_(\d+)-(\d+)\.pt$")
 
 
-def expert_params(model: nn.Module) -> Dict[str, MoE]:
+def expert_params(model: nn.Module) -> Dict[str, MoEBase]:
     """Map every stacked expert parameter name (as in ``model.named_parameters()``) to its MoE layer.
 
     Example::
 
         expert_params(model)   # {"blocks.0.moe.experts.w1": <MoE>, ...}
     """
-    owners: Dict[str, MoE] = {}
+    owners: Dict[str, MoEBase] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoEBase):
             if not isinstance(module.experts, GroupedExperts):
                 raise ValueError(f"MoE layer {prefix or '(the model)'} holds per-expert modules "
                                  f"({type(module.experts).__name__}): moe_proto's checkpoints and full state dicts "
@@ -233,7 +234,7 @@ def _persistent_buffers(model: nn.Module) -> Dict[str, Tensor]:
     """The MoE layers' persistent buffers (the expert biases: full [E], the same on every rank; rank 0's saved)."""
     out: Dict[str, Tensor] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoEBase):
             params = {name for name, _ in module.named_parameters()}
             with stacked_layout(module):
                 state = module.state_dict()
@@ -243,8 +244,17 @@ def _persistent_buffers(model: nn.Module) -> Dict[str, Tensor]:
     return out
 
 
+def _buffer_name_of_before(name: str) -> str:
+    """The name a checkpoint saved before the router held the balance state gives a buffer (``<layer>.balance.*``)."""
+    head, sep, tail = name.rpartition("balance.") if name.startswith("balance.") or ".balance." in name else ("", "", "")
+    if not sep or head.endswith("gate."):
+        return name
+    return f"{head}gate.balance.{tail}"
+
+
 def _load_buffers(model: nn.Module, saved: Dict[str, Tensor], path: str) -> None:
     wanted = _persistent_buffers(model)
+    saved = {**{_buffer_name_of_before(k): v for k, v in saved.items()}, **saved}
     missing = sorted(set(wanted) - set(saved))
     if missing:
         raise KeyError(f"buffers {missing} are missing from the checkpoint at {path}")
@@ -257,7 +267,7 @@ def _load_buffers(model: nn.Module, saved: Dict[str, Tensor], path: str) -> None
             state[name].copy_(saved[name])
 
 
-def _local_rows(value: Tensor, layer: Optional[MoE]) -> Tensor:
+def _local_rows(value: Tensor, layer: Optional[MoEBase]) -> Tensor:
     if layer is None:
         return value
     if value.shape[0] != layer.num_experts:
@@ -266,7 +276,7 @@ def _local_rows(value: Tensor, layer: Optional[MoE]) -> Tensor:
     return value[first:last]
 
 
-def _is_expert_writer(owners: Dict[str, MoE]) -> bool:
+def _is_expert_writer(owners: Dict[str, MoEBase]) -> bool:
     from deepspeed.utils import groups
 
     group_name = next(iter(owners.values())).expert_group_name
@@ -348,7 +358,7 @@ def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
     """Create Adam state (zeros) where the optimizer has none yet and set each group's saved step.
 
     Under ZeRO 1/2 the inner optimizer's group ``i`` holds exactly the flat fp32 partition ``i``;
-    under ZeRO 3 its flat partitions are listed by :func:`moe_proto.zero3.flat_groups`.
+    under ZeRO 3 its flat partitions are listed by :func:`sparse_scale.base.zero3_state.flat_groups`.
     """
     base = _inner_optimizer(engine)
     for group, keys, step in zip(base.param_groups, _state_keys(engine), group_steps):

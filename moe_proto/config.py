@@ -84,14 +84,12 @@ class MoEProtoConfig(StrictBlock):
         return self
 
     @model_validator(mode="after")
-    def _divisible(self) -> "MoEProtoConfig":
-        """num_experts must be divisible by num_prototypes and by ep_size; top_k <= num_experts // num_prototypes."""
-        if self.num_experts % self.num_prototypes:
-            raise ValueError(f"num_experts={self.num_experts} is not divisible by num_prototypes={self.num_prototypes}")
+    def _router(self) -> "MoEProtoConfig":
+        """The routing fields as the layer's router reads them (moe_proto.router.RouterConfig, its checks);
+        num_experts must be divisible by ep_size."""
+        from .router import router_config_of_block
+
+        router_config_of_block(self)
         if self.num_experts % self.ep_size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}")
-        if self.top_k > self.num_experts // self.num_prototypes:
-            raise ValueError(
-                f"top_k={self.top_k} exceeds the {self.num_experts // self.num_prototypes} experts of a prototype"
-            )
         return self

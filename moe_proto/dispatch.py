@@ -135,7 +135,7 @@ class DispatchGradHandoff:
     """Hands the dispatch's backward to the node that produced its input, so both run as one pass.
 
     The layer's router returns its input ``x`` again as a view that the dispatch gathers (see
-    ``moe_proto.layer._RouterLogits``), so x's gradient is the gather-sum of the buffer's
+    ``moe_proto.router._RouterLogits``), so x's gradient is the gather-sum of the buffer's
     gradient plus the router's term ``grad_logits @ w``. Separately that is two passes over
     ``[S, d]`` (one writes the gather-sum, the next reads it back); here the dispatch's backward
     deposits the buffer gradient and its inverse permutation and returns a zero-stride zero

@@ -1,5 +1,8 @@
 """The MoE layer a validated ``moe_proto`` block describes: one mapping from block keys to layer arguments.
 
+The routing fields come from :func:`moe_proto.router.router_config_of_block` (the router's
+one declaration, :class:`~moe_proto.router.RouterConfig`); the rest are the layer's own.
+
 Example::
 
     >>> from moe_proto.config import MoEProtoConfig
@@ -10,14 +13,15 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional
 
 from torch import nn
 
-from .args import routing_options_of
 from .config import MoEProtoConfig
-from .layer import MoE
+from .layer import moe_class
 from .replicated import ReplicatedMoE
+from .router import router_config_of_block
 
 
 def layer_kwargs(block: MoEProtoConfig) -> Dict[str, Any]:
@@ -28,12 +32,9 @@ def layer_kwargs(block: MoEProtoConfig) -> Dict[str, Any]:
         >>> layer_kwargs(MoEProtoConfig(num_experts=8, top_k=2))["k"]
         2
     """
-    return dict(num_experts=block.num_experts, ep_size=block.ep_size, k=block.top_k,
-                capacity_factor=block.capacity_factor, eval_capacity_factor=block.eval_capacity_factor,
-                min_capacity=block.min_capacity, use_rts=False, top2_2nd_expert_sampling=False,
-                num_prototypes=block.num_prototypes, dropless=block.dropless,
-                drop_policy=None if block.dropless else block.drop_policy, z_loss_coef=block.z_loss_coef,
-                **routing_options_of(block))
+    return dict(dataclasses.asdict(router_config_of_block(block)), ep_size=block.ep_size,
+                num_shared_experts=block.num_shared_experts,
+                shared_expert_ffn_hidden_size=block.shared_expert_ffn_hidden_size)
 
 
 def moe_layer(block: MoEProtoConfig, hidden_size: int, *, expert: Optional[nn.Module] = None,
@@ -43,7 +44,8 @@ def moe_layer(block: MoEProtoConfig, hidden_size: int, *, expert: Optional[nn.Mo
 
     ``replicated``: every rank holds every expert as a dense parameter (:class:`ReplicatedMoE`, for
     engines such as GBA's that must not see an MoE layer; needs ``ep_size`` 1). ``zero_stage=3``
-    builds the class DeepSpeed accepts under ZeRO stage 3. ``overrides`` replace block-derived arguments.
+    builds the class DeepSpeed accepts under ZeRO stage 3 (:func:`moe_proto.moe_class`).
+    ``overrides`` replace block-derived arguments.
 
     Example::
 
@@ -52,9 +54,8 @@ def moe_layer(block: MoEProtoConfig, hidden_size: int, *, expert: Optional[nn.Mo
     """
     if replicated and block.ep_size != 1:
         raise ValueError(f"moe_proto.ep_size={block.ep_size}: replicated experts (a gba job) need ep_size 1")
-    kwargs = {**layer_kwargs(block), "ffn_hidden_size": ffn_hidden_size, "activation": activation,
-              "zero_stage": zero_stage, **overrides}
-    layer: nn.Module = MoE(hidden_size, expert, **kwargs)
+    kwargs = {**layer_kwargs(block), "ffn_hidden_size": ffn_hidden_size, "activation": activation, **overrides}
+    layer: nn.Module = moe_class(zero_stage)(hidden_size, expert, **kwargs)
     if replicated:
         layer = ReplicatedMoE(layer)
     layer.aux_loss_coef = float(block.aux_loss_coef)

@@ -11,7 +11,7 @@ from typing import Any, Iterable, List, Optional
 
 from torch import nn
 
-from .layer import MoE
+from .layer import MoEBase
 
 
 def has_moe_layers(model: nn.Module) -> bool:
@@ -19,7 +19,7 @@ def has_moe_layers(model: nn.Module) -> bool:
 
     A :class:`moe_proto.replicated.ReplicatedMoE` holds its layer outside its children, so it does not count.
     """
-    return any(isinstance(m, MoE) for m in model.modules())
+    return any(isinstance(m, MoEBase) for m in model.modules())
 
 
 def moe_param_groups(model: nn.Module, params: Optional[Iterable[Any]] = None) -> List[Any]:

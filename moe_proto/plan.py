@@ -58,7 +58,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from .layer import MoE
+from .layer import MoEBase
 from .models.config import MoEModelConfig
 from .models.transformer import MoETransformerArgs, MoETransformerLM
 
@@ -173,7 +173,7 @@ def count_parameters(model: nn.Module) -> ParamCounts:
 
         counts = count_parameters(build_meta_model(args))
     """
-    expert_ids = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, MoEBase) for p in m.experts.parameters()}
     total = expert = ada_e = ada_d = 0
     for p in model.parameters():
         n = p.numel()

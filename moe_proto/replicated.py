@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .layer import MoE
+from .layer import MoEBase
 
 
 class ReplicatedMoE(nn.Module):
@@ -25,7 +25,7 @@ class ReplicatedMoE(nn.Module):
     servers aggregate the experts with the other dense parameters.
     """
 
-    def __init__(self, layer: MoE) -> None:
+    def __init__(self, layer: MoEBase) -> None:
         super().__init__()
         if layer.ep_size != 1:
             raise ValueError(f"a replicated MoE layer holds every expert: ep_size must be 1, got {layer.ep_size}")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .layer import MoE
+from .layer import MoEBase
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def collect_moe_stats(model: nn.Module, group: Optional[Any] = None) -> Dict[str
     """
     out: Dict[str, LayerStats] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, MoE) or module.last_stats is None:
+        if not isinstance(module, MoEBase) or module.last_stats is None:
             continue
         s = module.last_stats
         routed = s.routed_per_expert.detach().double().cpu()

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .experts import GroupedExperts
-from .layer import MoE
+from .layer import MoEBase
 from .models import MoETransformerArgs, MoETransformerLM
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def upcycle_experts(experts: GroupedExperts, w1: Tensor, w2: Tensor, w3: Optiona
                 target.add_(noise.to(device=target.device, dtype=target.dtype))
 
 
-def zero_router_gate_sum(moe: MoE) -> float:
+def zero_router_gate_sum(moe: MoEBase) -> float:
     """Total gate weight a token gets when every expert scores the same (a zero router, no expert bias).
 
     Example::
@@ -89,7 +89,7 @@ def zero_router_gate_sum(moe: MoE) -> float:
     return float(record.gate.sum())
 
 
-def upcycle_dense_ffn(moe: MoE, w1: Tensor, w2: Tensor, w3: Optional[Tensor] = None, noise_std: float = 0.0,
+def upcycle_dense_ffn(moe: MoEBase, w1: Tensor, w2: Tensor, w3: Optional[Tensor] = None, noise_std: float = 0.0,
                       seed: int = 0, router_std: float = 0.0, match_dense_output: bool = True) -> None:
     """Initialise ``moe`` (experts and router) from one dense FFN's weights, in ``x @ W`` orientation (in place).
 

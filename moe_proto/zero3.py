@@ -5,10 +5,10 @@ from) under stage 3 (``runtime/engine.py`` ``_validate_zero3_moe_compatibility``
 DeepSpeed MoE is not supported with ZeRO Stage 3") and accepts instances of
 ``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``, the layer of its AutoEP route.
 :class:`ZeRO3MoE` is such an instance. It does not run AutoEP's constructor (that one
-converts a Hugging Face block through a preset); it runs moe_proto's own route, dispatch,
-compute and combine (the very functions of :class:`moe_proto.MoE`, so top-k, capacity,
-dropless, k top-1 prototypes and every routing option behave identically) and carries the
-markers the engine reads from AutoEP's experts:
+converts a Hugging Face block through a preset): it derives
+:class:`moe_proto.layer.MoEBase`, the constructor, router and stages :class:`moe_proto.MoE`
+derives too (so top-k, capacity, dropless, prototypes and every routing option behave
+identically), and carries the markers the engine reads from AutoEP's experts:
 
 * ``allreduce=False``, ``group_name="ep_size_N"`` (every expert parameter, as in ZeRO 0-2);
 * ``ds_zero_placement_family="autoep_expert"`` and ``ds_zero_partition_group_name="ep_size_N"``:
@@ -26,8 +26,9 @@ cannot diverge between ranks that route to different experts (the hang of DeepSp
 
 Expert parallelism uses DeepSpeed's ``ep_size_N`` groups (``groups._create_expert_and_data_parallel``),
 created when ``deepspeed.initialize`` calls :meth:`ZeRO3MoE.set_deepspeed_parallelism`, as for
-:class:`moe_proto.MoE`. ``isinstance(layer, moe_proto.MoE)`` is true, so stats, checkpoints
-and the planner treat both classes alike.
+:class:`moe_proto.MoE`. It is not an instance of :class:`moe_proto.MoE` (that class derives
+DeepSpeed's MoE, which stage 3 refuses); ``isinstance(layer, moe_proto.MoEBase)`` holds for both,
+and stats, checkpoints and the planner look for that.
 
 Refused when the layer is built or bound: building it inside ``deepspeed.zero.Init`` (the
 engine must place the expert parameters itself) and AutoEP's tensor-parallel folding. Not
@@ -37,22 +38,22 @@ ZeRO 0-2, like any AutoEP layer, but :class:`moe_proto.MoE` is the one tested th
 
 Example::
 
-    moe = MoE(64, None, num_experts=8, ep_size=2, num_prototypes=2, ffn_hidden_size=128, use_rts=False,
-              zero_stage=3)                    # a ZeRO3MoE
+    moe = ZeRO3MoE(64, None, num_experts=8, ep_size=2, num_prototypes=2, ffn_hidden_size=128, use_rts=False)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                       config={..., "zero_optimization": {"stage": 3}})
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
+
+from sparse_scale.base.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
+                                           write_full_state)
 
 from .experts import GroupedExperts
-from .layer import MoE
+from .layer import MoE, MoEBase
 
 try:  # the engine's isinstance check for layers it allows under ZeRO-3
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer as _AutoEPMoELayer
@@ -65,10 +66,11 @@ EXPERT_PLACEMENT_FAMILY = "autoep_expert"  # engine._resolve_zero3_param_placeme
 REPLICATED_PLACEMENT_FAMILY = "replicated"
 
 
-class ZeRO3MoE(_AutoEPMoELayer):
-    """:class:`moe_proto.MoE` for ZeRO stage 3 (same arguments, forward, outputs and attributes).
+class ZeRO3MoE(MoEBase, _AutoEPMoELayer):
+    """The MoE layer for ZeRO stage 3: :class:`~moe_proto.layer.MoEBase`'s arguments, forward, outputs and
+    attributes, in the class DeepSpeed accepts under stage 3 (see the module docstring).
 
-    Build it with ``moe_proto.MoE(..., zero_stage=3)`` or directly; see the module docstring.
+    ``zero_stage`` may be left None or given as 3; ``moe_proto.moe_class(3)`` returns this class.
 
     Example::
 
@@ -77,14 +79,14 @@ class ZeRO3MoE(_AutoEPMoELayer):
     """
 
     _z3_leaf = True  # ZeRO-3 gathers the whole layer at its pre-forward hook (deepspeed.utils.z3_leaf_module)
-    _moe_proto_layer = True  # isinstance(self, moe_proto.MoE) is true (layer._MoEFamily)
+    _binds_deepspeed_layout = False  # DeepSpeed's save splits only ZeRO 0-2 layers; moe_proto.checkpoint here
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        stage = kwargs.pop("zero_stage", 3)
-        if stage != 3:
-            raise ValueError(f"ZeRO3MoE is the ZeRO stage 3 layer, got zero_stage={stage}: use moe_proto.MoE "
+    def _check_zero_stage(self, zero_stage: Optional[int]) -> None:
+        if zero_stage not in (None, 3):
+            raise ValueError(f"ZeRO3MoE is the ZeRO stage 3 layer, got zero_stage={zero_stage}: use moe_proto.MoE "
                              "for stages 0-2")
-        MoE.__init__(self, *args, **kwargs)  # nn.Module.__init__ plus moe_proto's layer; not AutoEP's constructor
+
+    def _finish_init(self, zero_stage: Optional[int]) -> None:
         self._mark_for_zero3()
 
     def _mark_for_zero3(self) -> None:
@@ -117,15 +119,14 @@ class ZeRO3MoE(_AutoEPMoELayer):
         if folding_group_handles is not None:
             raise ValueError("ZeRO3MoE does not support AutoEP tensor-parallel folding (tensor_parallel.autotp_size "
                              "> 1 with expert_parallel): leave tensor_parallel.autotp_size at 1")
-        MoE.set_deepspeed_parallelism(self, use_data_before_expert_parallel_)
-
-    def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
-        # DeepSpeed MoE's name for the same step, as on moe_proto.MoE.
-        self.set_deepspeed_parallelism(use_data_before_expert_parallel_)
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
 
 
 def to_zero3(layer: MoE) -> "ZeRO3MoE":
-    """Make a built :class:`moe_proto.MoE` the ZeRO stage 3 layer in place (same weights); returns it.
+    """Make a built :class:`moe_proto.MoE` the ZeRO stage 3 layer in place (same weights, parts and hooks); returns it.
+
+    Both classes hold the same state (they share :class:`~moe_proto.layer.MoEBase`), so this
+    reassigns the instance's class and adds the ZeRO-3 markers.
 
     For a model built without ``zero_stage=3`` that meets a stage 3 config (``sparse_scale.initialize``
     calls it before ``deepspeed.initialize``). A :class:`ZeRO3MoE` is returned as it is.
@@ -139,7 +140,7 @@ def to_zero3(layer: MoE) -> "ZeRO3MoE":
     if type(layer) is not MoE:
         raise TypeError(f"to_zero3 converts moe_proto.MoE layers, got {type(layer).__name__}")
     _refuse_module_experts(layer)
-    layer.__class__ = ZeRO3MoE  # the stages are MoE's own functions (see _share_members); only markers differ
+    layer.__class__ = ZeRO3MoE  # same MoEBase state and stages; only the DeepSpeed base and markers differ
     layer._mark_for_zero3()
     return layer
 
@@ -151,125 +152,6 @@ def _refuse_module_experts(layer: Any) -> None:
                          "expert=None with ffn_hidden_size): use ZeRO stage 0-2 for this expert module")
 
 
-def _share_members(target: type, source: type) -> None:
-    """Give ``target`` every method/property of ``source`` it does not define itself (dunders excluded).
-
-    One implementation of the stages: moe_proto.MoE's own functions (none calls ``super()``,
-    so they work on any class with the same attributes), including methods added to it later.
-    """
-    for name, member in vars(source).items():
-        if not (name.startswith("__") and name.endswith("__")) and name not in vars(target):
-            setattr(target, name, member)
-
-
-_share_members(ZeRO3MoE, MoE)
-
-
-# ZeRO-3 state access for moe_proto.checkpoint: full values in, full values out, per parameter.
-#
-# Stage 3 keeps, per sub-group ``g`` of the inner optimizer, one flat fp32 partition
-# (``optimizer.fp32_partitioned_groups_flat[g]``, Adam's state keyed by it) and the bit16
-# partition of each parameter (``param.ds_tensor``); ``optimizer.grad_position[id]`` gives a
-# parameter's ``(g, offset, partition_numel)``, and its partition rank is its rank in
-# ``param.ds_process_group`` (the expert-data-parallel group for experts). Partitions are
-# padded at the end of the last ranks', which DeepSpeed 0.19.8's ``safe_set_full_fp32_param``
-# does not allow for (it narrows the unpadded value past its end), hence the writer here.
-
-
-def is_zero3_param(param: Tensor) -> bool:
-    """Whether ZeRO-3 has partitioned ``param`` (it then carries a ``ds_id``).
-
-    Example::
-
-        is_zero3_param(engine.module.moe.experts.w1)   # True under stage 3
-    """
-    return hasattr(param, "ds_id")
-
-
-def gathered_value(param: Tensor) -> Tensor:
-    """A detached copy of the whole parameter; a collective over its partition group under ZeRO-3.
-
-    Example::
-
-        w1 = gathered_value(engine.module.moe.experts.w1)   # [local experts, d, ffn]
-    """
-    if not is_zero3_param(param):
-        return param.detach().clone()
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-    with GatheredParameters([param]):
-        return param.detach().clone()
-
-
-def _position(engine: Any, param: Tensor) -> Tuple[Tensor, int, int]:
-    optimizer = engine.optimizer
-    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
-    if optimizer._swappable_optimizer_subgroup(group):
-        raise ValueError("moe_proto checkpoints under ZeRO-3 do not support NVMe-swapped optimizer state "
-                         "(zero_optimization.offload_optimizer.device=nvme)")
-    return optimizer.fp32_partitioned_groups_flat[group], offset, numel
-
-
-def read_full_state(engine: Any, param: Tensor, key: Optional[str] = None) -> Tensor:
-    """Full fp32 value (key None) or optimizer state ``key`` of a ZeRO-3 parameter, on the CPU.
-
-    A collective over the parameter's partition group (every rank of it calls this, in the
-    same parameter order). A state the optimizer has not created yet (before the first step)
-    and the state of a frozen parameter read as zeros. Example::
-
-        exp_avg = read_full_state(engine, model.moe.experts.w1, "exp_avg")
-    """
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if not param.requires_grad:  # not in the optimizer: the bit16 value is the value
-        value = gathered_value(param).float().cpu()
-        return value if key is None else torch.zeros_like(value)
-    if key is None:
-        return safe_get_full_fp32_param(param).detach().float().cpu()
-    flat, _, _ = _position(engine, param)
-    if key not in engine.optimizer.optimizer.state.get(flat, {}):
-        return torch.zeros(param.ds_shape, dtype=torch.float32)
-    return safe_get_full_optimizer_state(param, key).detach().float().cpu()
-
-
-def write_full_state(engine: Any, param: Tensor, value: Tensor, key: Optional[str] = None) -> None:
-    """Write this rank's partition of a full ``value`` into a ZeRO-3 parameter (key None) or state ``key``.
-
-    The value goes to the fp32 master partition and the bit16 partition (``ds_tensor``); a
-    state goes to the optimizer's flat state, which must exist (``moe_proto.checkpoint.load_checkpoint``
-    creates it first).
-    Not a collective. Example::
-
-        write_full_state(engine, model.moe.experts.w1, saved["exp_avg"], "exp_avg")
-    """
-    if tuple(value.shape) != tuple(param.ds_shape):
-        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} for a ZeRO-3 parameter of shape "
-                         f"{tuple(param.ds_shape)}")
-    numel = param.partition_numel()
-    start = dist.get_rank(group=param.ds_process_group) * numel
-    real = max(0, min(numel, param.ds_numel - start))  # the rest of the partition is padding
-    if real == 0:  # this rank's partition is all padding (a small tensor over many ranks)
-        return
-    source = value.detach().flatten().narrow(0, start, real)
-    with torch.no_grad():
-        if key is None:
-            param.ds_tensor.data.narrow(0, 0, real).copy_(source.to(param.ds_tensor.dtype))
-        if not param.requires_grad:
-            return
-        flat, offset, _ = _position(engine, param)
-        target = flat if key is None else engine.optimizer.optimizer.state[flat][key]
-        target.narrow(0, offset, real).copy_(source.to(target.device, target.dtype))
-
-
-def flat_groups(engine: Any) -> List[List[Tensor]]:
-    """Per param group of the inner optimizer, its ZeRO-3 flat fp32 partitions (the keys of its state).
-
-    Example::
-
-        steps = [engine.optimizer.optimizer.state[f[0]]["step"] for f in flat_groups(engine) if f]
-    """
-    optimizer = engine.optimizer
-    out: List[List[Tensor]] = [[] for _ in optimizer.optimizer.param_groups]
-    for sub_group, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
-        out[optimizer.sub_group_to_group_id[sub_group]].append(flat)
-    return out
+__all__ = ["ZeRO3MoE", "to_zero3", "EXPERT_PLACEMENT_FAMILY", "REPLICATED_PLACEMENT_FAMILY",
+           # ZeRO-3 state readers (sparse_scale.base.zero3_state), re-exported for moe_proto.checkpoint's callers
+           "is_zero3_param", "gathered_value", "read_full_state", "write_full_state", "flat_groups"]

@@ -104,14 +104,14 @@ def _table_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from moe_proto.layer import MoE
+    from moe_proto.layer import MoEBase
     from moe_proto.replicated import ReplicatedMoE
 
-    return [(name or "<model>", m) for name, m in model.named_modules() if isinstance(m, (MoE, ReplicatedMoE))]
+    return [(name or "<model>", m) for name, m in model.named_modules() if isinstance(m, (MoEBase, ReplicatedMoE))]
 
 
 def _check_moe_layers(model: nn.Module, job: JobConfig) -> None:
-    from moe_proto.layer import MoE
+    from moe_proto.layer import MoEBase
 
     block, layers = job.blocks.get("moe_proto"), _moe_layers(model)
     if block is not None and not layers:
@@ -129,7 +129,7 @@ def _check_moe_layers(model: nn.Module, job: JobConfig) -> None:
                                  f"{ {k: getattr(block, k) for k in diff} }: build it with "
                                  "sparse_scale.moe_from_block(config, hidden_size) so the block and the model agree")
     if "gba" in job.blocks:
-        plain = [name for name, m in layers if isinstance(m, MoE)]
+        plain = [name for name, m in layers if isinstance(m, MoEBase)]
         if plain:
             raise SetupError(f"{job.source}: MoE layer(s) {plain} with a gba block: DeepSpeed would make expert groups "
                              "over ranks that include the parameter servers, and the servers aggregate only dense "

@@ -82,7 +82,12 @@ def test_layer_accumulates_training_loads_over_micro_batches_and_updates_once():
 
 def test_bias_is_a_saved_buffer_and_off_means_no_state():
     layer = _layer()
-    assert "balance.bias" in layer.state_dict() and "balance.step_load" not in layer.state_dict()
+    state = layer.state_dict()  # the router (registered as gate) holds the balance state
+    assert "gate.balance.bias" in state and "gate.balance.step_load" not in state
+    layer.gate.balance.bias.fill_(0.5)
+    fresh = _layer()
+    fresh.load_state_dict({k.replace("gate.balance.", "balance."): v for k, v in state.items()})  # keys of before
+    torch.testing.assert_close(fresh.balance.bias, torch.full_like(fresh.balance.bias, 0.5))
     off = _layer(rate=0.0)
     assert off.balance is None and not list(off.buffers())
     assert update_expert_biases(off) == 0
@@ -219,7 +224,7 @@ def test_lm_job_updates_and_checkpoints_the_biases(tmp_path):
     (out, ) = run_distributed(_run_job, 1, args=(_job(cfg, _data(tmp_path), tmp_path / "a", steps), ), timeout_s=50,
                               init_process_group=False)
     saved = torch.load(f"{out['checkpoint']}/moe_proto/dense.pt", weights_only=False)["buffers"]
-    assert sorted(saved) == ["blocks.0.ffn.balance.bias", "blocks.1.ffn.balance.bias"]
+    assert sorted(saved) == ["blocks.0.ffn.gate.balance.bias", "blocks.1.ffn.gate.balance.bias"]
     for bias in saved.values():
         steps_taken = bias / rate  # every update moves each bias by -rate, 0 or +rate
         torch.testing.assert_close(steps_taken, steps_taken.round())

@@ -291,7 +291,7 @@ def test_the_finiteness_check_passes_masked_nan_tokens_and_logits_whose_sum_over
 
 
 def test_router_logits_function_has_linears_gradients():
-    from moe_proto.layer import _RouterLogits
+    from moe_proto.router import _RouterLogits
 
     x = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
@@ -309,7 +309,7 @@ def test_dispatch_hands_its_backward_to_the_router(other_use, monkeypatch):
     gathers it (one C++ pass): x's gradient equals the plain path's, also when the router's view of x has another
     consumer whose gradient autograd sums into the dispatch's zero placeholder."""
     from moe_proto import dispatch
-    from moe_proto.layer import _RouterLogits
+    from moe_proto.router import _RouterLogits
     from moe_proto.routing import route
 
     if dispatch.cpu_ops_for(torch.zeros(1)) is None:
@@ -342,7 +342,7 @@ def test_dispatch_hands_its_backward_to_the_router(other_use, monkeypatch):
 def test_router_logits_second_output_sums_both_gradients_of_the_input(alias_grad):
     """The router's view of x carries the dispatch's gradient; the router adds its own into it (in place only
     when nothing else holds that gradient) and the result is x's gradient through both uses."""
-    from moe_proto.layer import _RouterLogits
+    from moe_proto.router import _RouterLogits
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(10, 6, generator=gen, requires_grad=True)

@@ -1,4 +1,4 @@
-"""moe_proto's MoE layer under ZeRO stage 3 (``MoE(..., zero_stage=3)``, an AutoEP layer class) on gloo ranks.
+"""moe_proto's MoE layer under ZeRO stage 3 (``ZeRO3MoE``, an AutoEP layer class, ``moe_class(3)``) on gloo ranks.
 
 As in tests/test_moe_deepspeed.py, every rank builds the full model from one seed and keeps
 its experts, and the reference is one process taking the global batch as one chunk per rank
@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe_proto import MoE
+import inspect
+import warnings
+
+from moe_proto import MoE, MoEBase, moe_class
 from moe_proto.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from moe_proto.zero3 import ZeRO3MoE
 from sparse_scale.multiproc import run_distributed
@@ -37,8 +40,8 @@ class Net(nn.Module):
     def __init__(self, mode, ep_size, zero_stage=None):
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.moe = MoE(D, num_experts=E, ep_size=ep_size, use_rts=False, ffn_hidden_size=FFN,
-                       zero_stage=zero_stage, **MODES[mode])
+        self.moe = moe_class(zero_stage)(D, num_experts=E, ep_size=ep_size, use_rts=False, ffn_hidden_size=FFN,
+                                         zero_stage=zero_stage, **MODES[mode])
         self.head = nn.Linear(D, 1)
 
     def forward(self, x, y):
@@ -235,10 +238,13 @@ def test_zero_stage_3_builds_the_autoep_layer_class_deepspeed_accepts():
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-    layer = MoE(D, None, num_experts=E, ep_size=2, ffn_hidden_size=FFN, zero_stage=3)
-    assert type(layer) is ZeRO3MoE
+    layer = ZeRO3MoE(D, None, num_experts=E, ep_size=2, ffn_hidden_size=FFN)
+    assert type(layer) is ZeRO3MoE and moe_class(3) is ZeRO3MoE and moe_class(2) is MoE and moe_class(None) is MoE
     assert isinstance(layer, AutoEPMoELayer) and not isinstance(layer, DeepSpeedMoE)
-    assert isinstance(layer, MoE) and issubclass(ZeRO3MoE, MoE)  # moe_proto's stats/checkpoints see it
+    # One shared base, real inheritance (DeepSpeed refuses its MoE class under ZeRO-3, so ZeRO3MoE cannot derive MoE).
+    assert isinstance(layer, MoEBase) and issubclass(ZeRO3MoE, MoEBase) and issubclass(MoE, MoEBase)
+    assert issubclass(MoE, DeepSpeedMoE) and not issubclass(ZeRO3MoE, MoE)
+    assert inspect.signature(ZeRO3MoE) == inspect.signature(MoE)
     assert type(MoE(D, None, num_experts=E, ffn_hidden_size=FFN, zero_stage=2)) is MoE
     assert layer._z3_leaf  # ZeRO-3 gathers the whole layer at once
     for name, param in layer.named_parameters():
@@ -266,6 +272,20 @@ def test_zero3_layer_computes_what_the_plain_layer_computes(mode):
     for name, param in plain.named_parameters():
         assert torch.equal(param.grad, grads[name].grad), name
     assert zero3.moe.last_stats.drop_rate == plain.moe.last_stats.drop_rate
+
+
+def test_the_deprecated_zero_stage_3_call_warns_and_builds_the_zero3_layer():
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match=r"MoE\(\.\.\., zero_stage=3\) is deprecated.*ZeRO3MoE"):
+        old = MoE(D, None, num_experts=E, ep_size=2, ffn_hidden_size=FFN, zero_stage=3)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spellings do not warn
+        new = ZeRO3MoE(D, None, num_experts=E, ep_size=2, ffn_hidden_size=FFN)
+    assert type(old) is ZeRO3MoE and old.zero_stage == 3 and old.state_dict_layout == "stacked"
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+    assert [p.ds_zero_placement_family for p in old.parameters()] == [p.ds_zero_placement_family
+                                                                     for p in new.parameters()]
 
 
 def test_wrong_zero_stage_combinations_are_refused_before_training():

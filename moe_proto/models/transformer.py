@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..args import RoutingOptions, routing_options_of
+from ..args import RoutingOptions, SharedExpertOptions, routing_options_of
 from ..buffer_pool import HostBufferPool, use_buffer_pool
-from ..layer import MoE
+from ..layer import moe_class
+from ..router import router_config_of_block
 from .config import DEFAULT_VOCAB, END_OF_DOCUMENT, MoEModelConfig
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ ROTARY_BASE = 10000.0
 
 
 @dataclass(frozen=True)
-class MoETransformerArgs(RoutingOptions):
+class MoETransformerArgs(RoutingOptions, SharedExpertOptions):
     """Every argument of :class:`MoETransformerLM`.
 
     Shape: ``num_layers``, ``d_model``, ``num_heads``, ``ffn_hidden_size`` (dense FFN),
@@ -80,7 +81,7 @@ class MoETransformerArgs(RoutingOptions):
     ep_size: int = 1
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
-    zero_stage: Optional[int] = None  # 3: the MoE layers are ZeRO3MoE, the class DeepSpeed's ZeRO-3 accepts
+    zero_stage: Optional[int] = None  # 3: the MoE layers are ZeRO3MoE (moe_class), the class ZeRO-3 accepts
     host_buffer_pool_mb: int = 1024  # the MoE layers' buffer pool (moe_proto/buffer_pool.py); 0: off
 
     def __post_init__(self) -> None:
@@ -204,15 +205,12 @@ class Block(nn.Module):
         self.is_moe = moe
         if moe:
             # Routing noise (RTS, second-expert sampling) off: the blocks' routing comes from the config alone.
-            self.ffn: nn.Module = MoE(args.d_model, None, num_experts=args.num_experts, ep_size=args.ep_size,
-                                      k=args.top_k, capacity_factor=args.capacity_factor,
-                                      eval_capacity_factor=args.eval_capacity_factor,
-                                      min_capacity=args.min_capacity, use_rts=False,
-                                      top2_2nd_expert_sampling=False, num_prototypes=args.num_prototypes,
-                                      dropless=args.dropless, drop_policy=None if args.dropless else args.drop_policy,
-                                      z_loss_coef=args.z_loss_coef, activation=args.activation,
-                                      ffn_hidden_size=args.expert_ffn, zero_stage=args.zero_stage,
-                                      **routing_options_of(args))
+            # The routing fields as a moe_proto block gives them (moe_proto.router.router_config_of_block).
+            self.ffn: nn.Module = moe_class(args.zero_stage)(
+                args.d_model, None, ep_size=args.ep_size, activation=args.activation,
+                ffn_hidden_size=args.expert_ffn, num_shared_experts=args.num_shared_experts,
+                shared_expert_ffn_hidden_size=args.shared_expert_ffn_hidden_size,
+                **dataclasses.asdict(router_config_of_block(args)))
         else:
             self.ffn = DenseFFN(args.d_model, args.ffn_hidden_size, args.activation)
 
