@@ -498,13 +498,18 @@ AUTO_WORKERS = 2
 
 
 class _Slowdown:
-    """Worker 1's injected straggler of one run (set in its process by :func:`auto_rank`)."""
+    """Worker 1's injected straggler of one run (set in its process by :func:`auto_rank`).
+
+    The sleep is calibrated in the run itself: (factor - 1) x the worker's median wall time per step
+    over job steps [start / 2, start), so the worker's step takes factor x what it took just before.
+    """
 
     place: str | None = None
-    sleep_s = 0.0
+    factor = STRAGGLER_FACTOR
+    sleep_s: float | None = None
     start = end = 0  # job steps [start, end)
     engine: Any = None  # the rec job's engine, caught at its first forward
-    laps: list = []  # (job step, own seconds) of every update of a gba engine (its step clock)
+    stamps: list = []  # (job step, perf_counter) at every step() of this worker
 
     @classmethod
     def job_step(cls) -> int:
@@ -515,33 +520,44 @@ class _Slowdown:
 
     @classmethod
     def sleep(cls, place: str) -> None:
-        if cls.place == place and cls.start <= cls.job_step() < cls.end:
-            time.sleep(cls.sleep_s)
+        if cls.place != place or not cls.start <= cls.job_step() < cls.end:
+            return
+        if cls.sleep_s is None:
+            before = wall_steps(cls.stamps, cls.start // 2, cls.start)
+            cls.sleep_s = (cls.factor - 1.0) * (statistics.median(before) if before else 0.0)
+        time.sleep(cls.sleep_s)
 
 
-def _install_slowdown(place: str | None, sleep_s: float, start: int, end: int) -> None:
-    """Patch this process's rec job so that it sleeps ``sleep_s`` in ``place`` for job steps [start, end).
+def wall_steps(stamps: Sequence[tuple[int, float]], lo: int, hi: int) -> list[float]:
+    """Wall seconds between successive ``step()`` calls whose job step is in [lo, hi)."""
+    return [t1 - t0 for (_, t0), (j, t1) in zip(stamps, stamps[1:]) if lo <= j < hi]
+
+
+def _install_slowdown(place: str | None, start: int, end: int) -> None:
+    """Patch this process's rec job so that it sleeps in ``place`` for job steps [start, end).
 
     The five places of a step: ``data`` (the stream's batch accounting right after the batch is read),
     ``forward`` (before the engine's forward), ``backward`` (inside autograd's backward: a hook on the
     loss), ``between`` (after ``backward()``, before ``step()``) and ``optimizer`` (inside the optimizer
-    step: DeepSpeed's, or the gba phase's push). Also records the gba engine's own step times.
+    step: DeepSpeed's, or the gba phase's push). Every rank records when each of its steps ends.
     """
     import deepspeed.runtime.engine as ds_engine_mod
 
-    from gba_engine.engine import GBAEngine
     from gba_engine.phases import GBAPhase
     from sparse_scale.rec import data, engines
 
-    _Slowdown.place, _Slowdown.sleep_s, _Slowdown.start, _Slowdown.end = place, sleep_s, start, end
-    _Slowdown.laps = []
+    _Slowdown.place, _Slowdown.start, _Slowdown.end, _Slowdown.sleep_s = place, start, end, None
+    _Slowdown.stamps = []
 
-    def wrap(cls: Any, name: str, before: Any) -> None:
+    def wrap(cls: Any, name: str, before: Any, after: Any = None) -> None:
         original = getattr(cls, name)
 
         def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
             before(self, *args)
-            return original(self, *args, **kwargs)
+            out = original(self, *args, **kwargs)
+            if after is not None:
+                after(self)
+            return out
         setattr(cls, name, patched)
 
     def catch(self: Any, *args: Any) -> None:
@@ -552,54 +568,59 @@ def _install_slowdown(place: str | None, sleep_s: float, start: int, end: int) -
         if loss.requires_grad:
             loss.register_hook(lambda g: (_Slowdown.sleep("backward"), g)[1])
 
+    def stamp(self: Any) -> None:
+        _Slowdown.stamps.append((_Slowdown.job_step(), time.perf_counter()))
+
     for cls in (engines.DeepSpeedRecEngine, engines.GBARecEngine):
         wrap(cls, "__call__", catch)
         wrap(cls, "backward", hook_loss)
-        wrap(cls, "step", lambda self, *a: _Slowdown.sleep("between"))
+        wrap(cls, "step", lambda self, *a: _Slowdown.sleep("between"), stamp)
     for cls in (data.RankStream, data.ClaimedBatches):
         wrap(cls, "step_samples", lambda self, *a: _Slowdown.sleep("data"))
     for cls in (ds_engine_mod.DeepSpeedEngine, GBAPhase):  # sync phases and the plain job step DeepSpeed's optimizer
         wrap(cls, "step", lambda self, *a: _Slowdown.sleep("optimizer"))
 
-    original_after = GBAEngine._after_update
 
-    def after_update(self: Any) -> None:
-        _Slowdown.laps.append((int(self.job_step), float(self.ctx.clock.lap())))
-        original_after(self)
-    GBAEngine._after_update = after_update
-
-
-def auto_rank(rank: int, world_size: int, argv: list[str], place: str | None, sleep_s: float, start: int,
-              end: int) -> dict[str, Any]:
-    """``train_rec.train`` on this rank, worker 1 slowed in ``place``; its summary and the step clock's times."""
+def auto_rank(rank: int, world_size: int, argv: list[str], place: str | None, start: int, end: int) -> dict[str, Any]:
+    """``train_rec.train`` on this rank, worker 1 slowed in ``place``; its summary, step stamps and sleep."""
     os.environ.setdefault("WANDB_MODE", "disabled")
     logging.getLogger("sparse_scale.rec.notice").setLevel(logging.WARNING)
-    _install_slowdown(place if rank == STRAGGLER_RANK else None, sleep_s, start, end)
+    _install_slowdown(place if rank == STRAGGLER_RANK else None, start, end)
     from sparse_scale.rec import cli
 
     summary = cli.train(cli.parse_args(argv))
-    return {"summary": summary, "laps": list(_Slowdown.laps)}
+    return {"summary": summary, "stamps": list(_Slowdown.stamps), "sleep_s": _Slowdown.sleep_s}
 
 
-def auto_run(workdir: Path, name: str, cfg: dict[str, Any], shape: Shape, place: str | None, sleep_s: float,
+def auto_run(workdir: Path, name: str, cfg: dict[str, Any], shape: Shape, place: str | None,
              window: tuple[int, int], world_size: int) -> dict[str, Any]:
-    """One job of the auto section; rank 0's summary plus each worker's median own step time in the window."""
+    """One job of the auto section: rank 0's summary, worker 1's sleep and its measured slowdown k.
+
+    k: worker 1's median wall time per step in the window over worker 0's there (auto: the workers run
+    apart in gba), or over its own just before the window (the plain job runs in lockstep).
+    """
     from sparse_scale.multiproc import run_distributed
 
     slug = name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
     config = workdir / f"{slug}.json"
     config.write_text(json.dumps(cfg, indent=1))
     argv = train_rec_argv(config, workdir / slug, shape, shape.steps, False)
-    results = run_distributed(auto_rank, world_size, args=(argv, place, sleep_s, *window), timeout_s=RUN_TIMEOUT_S,
+    results = run_distributed(auto_rank, world_size, args=(argv, place, *window), timeout_s=RUN_TIMEOUT_S,
                               init_process_group=False)
     summary = results[0]["summary"]
-    own = [statistics.median([s for j, s in results[w]["laps"] if window[0] <= j < window[1]] or [math.nan])
-           for w in range(AUTO_WORKERS)]
     gba = summary.get("gba") or {}
+    k = math.nan
+    if place is not None:
+        slow = wall_steps(results[1]["stamps"], *window)
+        ref = (wall_steps(results[0]["stamps"], *window) if gba else
+               wall_steps(results[1]["stamps"], window[0] // 2, window[0]))
+        if slow and ref:
+            k = statistics.median(slow) / statistics.median(ref)
     return {"samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
             "eval_samples": int(summary["eval_samples"]), "switches": gba.get("switches"),
             "switch_seconds": gba.get("switch_seconds"), "switch_bytes": gba.get("switch_bytes"),
-            "own_step_s": own, "command": "launch/train_rec.py " + " ".join(argv)}
+            "k": k, "sleep_s": results[1]["sleep_s"], "window": window,
+            "command": "launch/train_rec.py " + " ".join(argv)}
 
 
 def auto_plan(shape: Shape, places: Sequence[str]) -> list[tuple[str, str | None, bool]]:
@@ -614,29 +635,24 @@ def auto_section(shape: Shape, workdir: Path, reps: int, places: Sequence[str] =
     """Section ``auto``: the plain packed job and auto mode (2 workers + 1 server), without and with a straggler.
 
     Worker 1 is slowed ``STRAGGLER_FACTOR`` x for the middle half of the job steps, in one place per
-    run: a sleep of (factor - 1) x the plain job's step time (measured by the first plain run of this
-    invocation). Every run of the plan is repeated ``reps`` times, alternating; one Row per run.
+    run (a sleep calibrated in the run, :class:`_Slowdown`). Every run of the plan is repeated
+    ``reps`` times, alternating; one Row per run.
     """
     window = (shape.steps // 4, 3 * shape.steps // 4)
     plain_cfg = ds_config(shape, True)
     auto_cfg = ds_config(shape, True, gba_block("auto"))
-    sleep_s = 0.0
     rows: list[Row] = []
     for rep in range(reps):
         for variant, place, gba in auto_plan(shape, places):
-            if place is not None and sleep_s == 0.0:
-                continue  # no plain step time to scale: the first plain run failed
             row = Row(f"{variant}, {place or 'none'}", place is not None, shape.steps)
             name = f"{variant}_{place or 'none'}_{rep}"
-            _attempt(row, auto_run, workdir, name, auto_cfg if gba else plain_cfg, shape, place, sleep_s, window,
+            _attempt(row, auto_run, workdir, name, auto_cfg if gba else plain_cfg, shape, place, window,
                      AUTO_WORKERS + (1 if gba else 0))
-            if row.ok and place is None and not gba and sleep_s == 0.0:
-                step_s = AUTO_WORKERS * shape.micro_batch / row.result["samples_per_s"]  # one job step, wall
-                sleep_s = (STRAGGLER_FACTOR - 1.0) * step_s
-                print(f"plain packed step {step_s * 1e3:.1f} ms: worker 1 sleeps {sleep_s * 1e3:.1f} ms a step in "
-                      f"its place for job steps {window[0]}-{window[1] - 1}", flush=True)
             if row.ok:
-                row.result.update(rep=rep, sleep_s=sleep_s, window=window)
+                row.result["rep"] = rep
+                if place is not None:
+                    print(f"  worker 1 slept {row.result['sleep_s'] * 1e3:.1f} ms a step in {place} for job steps "
+                          f"{window[0]}-{window[1] - 1}: k = {row.result['k']:.2f}", flush=True)
             rows.append(row)
     return rows
 
@@ -654,24 +670,23 @@ def auto_table(rows: list[Row]) -> str:
     plain = by.get("plain packed, none", [])
     base, base_auc = _median(plain, "samples_per_s"), _median(plain, "auc")
     n = AUTO_WORKERS
-    head = ["variant, straggler place", "runs", "samples/s (median)", "x plain", "k (own step, w1/w0)",
+    head = ["variant, straggler place", "runs", "samples/s (median)", "x plain (paired, median)", "k (median)",
             "ceiling (window / whole run)", "x ceiling", "AUC (median)", "dAUC vs plain", "switches per run",
             "switch s / MB (median)", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     verdict = []
-    ks: dict[str, float] = {}
+    plain_by_rep = {r.result.get("rep"): r.result["samples_per_s"] for r in plain if r.ok}
     for variant, group in by.items():
         ok = [r for r in group if r.ok]
         rate, auc = _median(group, "samples_per_s"), _median(group, "auc")
+        # each run against the plain run of its own repetition (adjacent in time: the machine's load drifts)
+        paired = [r.result["samples_per_s"] / plain_by_rep[r.result.get("rep")] for r in ok
+                  if r.result.get("rep") in plain_by_rep]
+        x_plain = statistics.median(paired) if paired else rate / base
         place = variant.rpartition(", ")[2]
         k = ceiling = c = math.nan
-        if variant.startswith("auto") and place != "none":
-            ratios = [r.result["own_step_s"][1] / r.result["own_step_s"][0] for r in ok
-                      if all(t == t and t > 0 for t in r.result["own_step_s"])]
-            k = statistics.median(ratios) if ratios else math.nan
-            ks[place] = k
-        elif place != "none":
-            k = ks.get(place, math.nan)  # the plain job runs in lockstep: its k is the auto run's of that place
+        if place != "none":
+            k = _median(ok, "k")
         if place != "none" and k == k and ok:
             c = (n - 1 + 1 / k) / n  # one worker k x slower, the others at full speed: the asynchronous ceiling
             lo, hi = ok[0].result["window"]
@@ -682,15 +697,15 @@ def auto_table(rows: list[Row]) -> str:
         mbytes = _median(ok, "switch_bytes") / 1e6 if switches else math.nan
         fails = "; ".join(r.failed for r in group if not r.ok)
         lines.append("| " + " | ".join([
-            variant, f"{len(ok)}/{len(group)}", f"{rate:,.0f}", f"{rate / base:.2f}",
+            variant, f"{len(ok)}/{len(group)}", f"{rate:,.0f}", f"{x_plain:.2f}",
             f"{k:.2f}" if k == k else "-",
             f"{base * c:,.0f} / {ceiling:,.0f}" if ceiling == ceiling else "-",
             f"{rate / ceiling:.2f}" if ceiling == ceiling and variant.startswith("auto") else "-",
             f"{auc:.4f}", f"{auc - base_auc:+.4f}", ", ".join(map(str, switches)) or "-",
             f"{secs:.2f} / {mbytes:,.0f}" if secs == secs else "-", fails]) + " |")
         if variant == "auto, none" and ok:
-            verdict.append(f"- auto without a straggler: **{rate / base:.2f}x** plain (target >= 0.9x: "
-                           f"**{'hit' if rate / base >= 0.9 else 'miss'}**), dAUC {auc - base_auc:+.4f}, switches "
+            verdict.append(f"- auto without a straggler: **{x_plain:.2f}x** plain (paired by repetition; target >= "
+                           f"0.9x: **{'hit' if x_plain >= 0.9 else 'miss'}**), dAUC {auc - base_auc:+.4f}, switches "
                            f"{switches} (target 0).")
         elif variant.startswith("auto") and ceiling == ceiling:
             verdict.append(f"- auto, straggler in {place}: **{rate / ceiling:.2f}x** the asynchronous ceiling of the "
