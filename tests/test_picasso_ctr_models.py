@@ -294,3 +294,31 @@ def test_gba_jobs_put_every_models_tables_on_the_servers(tmp_path, name, collect
         assert sum(s.num_rows for s in specs) == collections * 26 * 50
         assert not [n for n, _ in net.named_parameters() if n.startswith(("embeddings.", "wide."))]
         assert any(isinstance(m, torch.nn.Dropout) for m in net.modules())
+
+
+def _system_run(rank: int, world_size: int, argv: list[str]) -> dict:
+    from sparse_scale.rec.cli import job_config, parse_args
+    from sparse_scale.rec.runner import run
+
+    summary = run(job_config(parse_args(argv)), wandb_mode="disabled").to_dict()
+    return {"server": True} if summary.get("server") else {k: summary.get(k) for k in ("auc", "steps", "moe", "model")}
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.parametrize("name", ["deepfm", "dcn_v2"])
+def test_the_system_config_trains_each_new_model_with_all_three_blocks(tmp_path, name):
+    """ds_configs/rec_system_cpu.json small: packed server tables behind the worker cache (gba + picasso), gba auto,
+    an MoE tower with replicated experts in place of the deep MLP, with dropout; 2 workers + 1 server."""
+    cfg = json.loads((ROOT / "ds_configs" / "rec_system_cpu.json").read_text())
+    cfg.update(train_micro_batch_size_per_gpu=32, wandb={"enabled": False})
+    cfg["picasso"]["cache"]["rows"] = 500  # of 26 x 200 rows per table
+    cfg["gba"].update(timeout_s=20, heartbeat_s=0.5)
+    path = tmp_path / "system.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["--config", str(path), "--out", str(tmp_path / "run"), "--model", name, "--dropout", "0.1",
+            "--steps", "10", "--eval-samples", "2048", "--vocab", "200", "--threads", "1"]
+    w0, w1, server = run_distributed(_system_run, 3, args=(argv,), timeout_s=110, init_process_group=False)
+    assert server == {"server": True} and w0["steps"] + w1["steps"] == 20
+    assert w0["model"] == name and 0.0 < w0["auc"] < 1.0 and w0["auc"] == w1["auc"]
+    assert w0["moe"]["experts"] == "replicated" and w0["moe"]["layers"]
