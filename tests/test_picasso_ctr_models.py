@@ -245,6 +245,7 @@ def _cli_run(rank: int, world_size: int, argv: list[str]) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 6-20 s each on the shared 2-core machine
 @pytest.mark.parametrize("name", ["deepfm", "dcn_v2"])
 def test_rec_job_trains_each_new_model_on_packed_tables(tmp_path, name):
     """sparse-train-rec --model NAME on one process: packed tables behind a cache, 2 interleaved micro-batches."""
