@@ -34,14 +34,16 @@ def test_phase_end_round_trips(end):
 
 
 @pytest.mark.parametrize("command", [p.PutState(src=0), p.GetState(src=1), p.Serve(m=4), p.Serve(m=2, dense=False),
-                                     p.SaveShards(path="ckpt/a"), p.LoadShards(path="ckpt/b")])
+                                     p.SaveShards(path="ckpt/a"), p.LoadShards(path="ckpt/b"),
+                                     p.PutTables(src=0, version=7), p.GetTables(src=1)])
 def test_every_command_round_trips(command):
     assert p.decode_command(p.encode_command(command)) == command
 
 
 def test_commands_are_the_json_the_servers_always_read():
     assert p.encode_command(p.Serve(m=4, dense=False)) == '{"op": "serve", "m": 4, "dense": false}'
-    assert sorted(p.COMMANDS) == ["get_state", "load", "put_state", "save", "serve"]
+    assert sorted(p.COMMANDS) == ["get_state", "get_tables", "load", "put_state", "put_tables", "save", "serve"]
+    assert p.encode_command(p.PutTables(src=0, version=7)) == '{"op": "put_tables", "src": 0, "version": 7}'
 
 
 def test_scalars_and_stats_round_trip():
