@@ -145,8 +145,9 @@ _STORE_NAMES = {"emb": "embeddings"}  # packed_wide_and_deep's table prefixes ->
 
 def cached_field_embeddings(block: PicassoConfig, *, workdir: Optional[Path] = None, rank: int = 0
                             ) -> Callable[..., CachedFieldEmbeddings]:
-    """A ``field_embeddings`` factory for ``packed_wide_and_deep`` that builds each module straight into the
-    block's cache store (``CachedFieldEmbeddings.from_init``): the tables are never all in memory at once.
+    """A ``field_embeddings`` factory for ``packed_wide_and_deep`` (``packed_deepfm``, ``packed_dcn_v2``) that
+    builds each module straight into the block's cache store (``CachedFieldEmbeddings.from_init``): the tables
+    are never all in memory at once.
 
     Gives the same model, bit for bit, as building the packed tables and :func:`apply_picasso_block`.
 
