@@ -361,3 +361,33 @@ def test_early_stop_ends_the_run_when_patience_runs_out(tmp_path, ctr_files):
     assert "early stop at step" in best["reason"] and "did not improve by more than 1" in best["reason"]
     assert (out / "checkpoints" / "latest").read_text() == f"step{summary['steps']}"
     assert (out / "best" / "latest").read_text() == f"step{best['step']}"
+
+
+def _two_ranks_one_explodes(rank, world_size, folder):
+    """Rank 1's loss explodes, rank 0's stays healthy: both must stop at the same step, naming the same checkpoint."""
+    guard = DivergenceGuard(explosion_factor=10.0)
+    losses = [0.69, 0.6, 0.55, 0.5, 0.5, 0.5] + ([0.5] * 6 if rank == 0 else [50.0] * 6)
+    for step, loss in enumerate(losses, start=1):
+        guard.start_step(None)
+        guard.loss(loss, baseline=bce_entropy(0.5))
+        try:
+            guard.end_step(step, None)
+        except DivergenceError as exc:
+            return step, str(exc)
+        if step in (4, 8):
+            if rank == 0:  # what a committed save leaves: the folder and 'latest' naming it
+                (Path(folder) / f"step{step}").mkdir()
+                (Path(folder) / "latest").write_text(f"step{step}")
+            guard.checkpoint_saved(Path(folder) / f"step{step}", step)
+    return None
+
+
+def test_ranks_agree_on_a_finite_explosion_seen_by_one_of_them(tmp_path):
+    got = run_distributed(_two_ranks_one_explodes, 2, args=(str(tmp_path),), timeout_s=30)
+    assert got[0] is not None and got[1] is not None and got[0][0] == got[1][0] == 9, got  # median of 5: 3 bad
+    assert "exploded on another rank while staying finite (more than 10x its reference from step 7 on" in got[0][1]
+    assert "exploded while staying finite: the median of the last 5 steps' loss is 50" in got[1][1]
+    for _, message in got:  # step 8 was saved after the explosion began (step 7): step 4 is the good one
+        assert f"the last good checkpoint {tmp_path / 'step4'} is kept, and 'latest' points at it again" in message
+        assert f"{tmp_path / 'step8'} was saved after the loss began to explode" in message
+    assert (tmp_path / "latest").read_text() == "step4"
