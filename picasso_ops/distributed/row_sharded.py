@@ -195,6 +195,15 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
                     dim=group.width,
                 )
             )
+        # the output's columns: the packs' features side by side, gathered into pooled_features order
+        start, where = 0, {}
+        for layout in self._layouts:
+            for name in layout.features:
+                where[name] = (start, start + layout.dim)
+                start += layout.dim
+        perm = [c for name in self.pooled_features for c in range(*where[name])]
+        self._columns: Optional[Tensor] = (None if perm == list(range(len(perm)))
+                                           else torch.tensor(perm, dtype=torch.long, device=device))
         self._pending: list[list[tuple[_PackPlan, Tensor]]] = [[] for _ in self.shard.kernels]
         self.reset_parameters()
 
@@ -263,7 +272,7 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
         recv_counts = recv.tolist()  # one host read for every pack
         training = torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if training else None
-        pieces: dict[str, Tensor] = {}
+        blocks: list[Tensor] = []
         for pi, (layout, sub, plan, inverse) in enumerate(zip(self._layouts, subs, plans, inverses)):
             plan.recv_counts = recv_counts[pi]
             if training:
@@ -278,10 +287,14 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
                 inv_len = sub.lengths.reshape(-1).to(rows.dtype).clamp(min=1.0).reciprocal()
                 scale = torch.where(layout.feature_mean.repeat_interleave(B), inv_len, torch.ones_like(inv_len))
                 pooled = pooled * scale.unsqueeze(1)
-            per_feature = pooled.view(len(layout.features), B, layout.dim)
-            for fi, name in enumerate(layout.features):
-                pieces[name] = per_feature[fi]
-        values = torch.cat([pieces[name] for name in self.pooled_features], dim=1) if pieces else torch.empty(B, 0)
+            # [F_p * B, D] field-major -> [B, F_p * D]: one copy, whose backward is one copy too (slicing out
+            # each feature would make autograd add F_p full-size gradients: quadratic in the pack's fields)
+            blocks.append(pooled.view(len(layout.features), B, layout.dim).transpose(0, 1).reshape(B, -1))
+        if not blocks:
+            return KeyedEmbeddings(self.pooled_features, torch.empty(B, 0), self.column_offsets, {})
+        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self._columns is not None:  # packs' features -> pooled_features order
+            values = values.index_select(1, self._columns.to(values.device))
         return KeyedEmbeddings(self.pooled_features, values, self.column_offsets, {})
 
     def _plan(self, layout: _PackLayout, sub: JaggedBatch) -> tuple[_PackPlan, Tensor]:
