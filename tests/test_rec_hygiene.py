@@ -391,3 +391,17 @@ def test_ranks_agree_on_a_finite_explosion_seen_by_one_of_them(tmp_path):
         assert f"the last good checkpoint {tmp_path / 'step4'} is kept, and 'latest' points at it again" in message
         assert f"{tmp_path / 'step8'} was saved after the loss began to explode" in message
     assert (tmp_path / "latest").read_text() == "step4"
+
+
+def test_early_stop_on_step_evaluations_of_the_synthetic_stream(tmp_path):
+    out = tmp_path / "steps"
+    argv = [*SMALL, "--config", _ds_config(tmp_path, micro=32), "--out", str(out), "--steps", "100",
+            "--eval-every", "5", "--early-stop-metric", "auc", "--patience", "2", "--min-delta", "1.0"]
+    got = run_distributed(_cli, 1, args=(argv,), timeout_s=50, init_process_group=False)[0]
+    assert got["code"] == 0, got
+    summary = json.loads((out / "summary.json").read_text())
+    assert [h["step"] for h in summary["eval_history"]] == [5, 10, 15] and summary["steps"] == 15
+    best = summary["best"]
+    assert best["early_stopped"] and best["step"] == 5 and best["metric"] == "auc"
+    assert best["checkpoint"] == str(out / "best" / "step5") and (out / "best" / "step5" / "MANIFEST.json").is_file()
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == 5
