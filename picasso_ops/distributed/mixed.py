@@ -154,8 +154,8 @@ class MixedEmbeddingCollection(nn.Module):
         outs = []
         sequences: dict[str, Tensor] = {}
         for part in self.parts:
-            keys = list(part.pooled_features) + list(getattr(part, "sequence_features", ()))
-            out = part(batch.select(keys))
+            keys = tuple(part.pooled_features) + tuple(getattr(part, "sequence_features", ()))
+            out = part(batch if tuple(batch.keys) == keys else batch.select(keys))
             outs.append(out.values)
             sequences.update(out.sequences)
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

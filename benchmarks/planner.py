@@ -1,0 +1,144 @@
+"""The sharding planner's choice against replicating every table and sharding every table row-wise.
+
+The packed tables alone (no dense model) on 2 gloo ranks, 1 torch thread each: per step one
+forward of a rank's batch, a backward of a fixed linear loss and the sparse step (the gradients'
+exchange and the optimizer, row-wise Adagrad). Three shapes (F fields x rows, dim 16, batch 256 per
+rank, 1-3 ids per field and sample, Zipf(1.1) ids as the synthetic stream draws them):
+F=26 x 100,000, F=200 x 10,000, F=1,000 x 1,000. Variants ``data_parallel``, ``row_wise`` and
+``auto`` (the planner's plan with its default constants and the Zipf estimate of unique ids) run
+alternated inside each launch, the order rotated per round; ms/step is the median over rounds of
+each round's mean over the timed steps (range shown).
+
+Run::
+
+    .venv/bin/python benchmarks/planner.py                      # 3 rounds, writes a RESULTS.md section
+    .venv/bin/python benchmarks/planner.py --rounds 1 --steps 5 --no-write   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SHAPES = [(26, 100_000), (200, 10_000), (1000, 1_000)]
+DIM, BATCH, MAX_IDS, ZIPF = 16, 256, 3, 1.1
+VARIANTS = ("data_parallel", "row_wise", "auto")
+
+
+def _batch(step: int, rank: int, fields: int, rows: int) -> Any:
+    import torch
+
+    from picasso_ops.jagged import JaggedBatch
+
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    lengths = torch.randint(1, MAX_IDS + 1, (fields, BATCH), generator=g)
+    n = int(lengths.sum())
+    # Zipf(s) ranks by inverse transform of the continuous approximation, clipped to the table
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    ids = ((1 - u) ** (-1.0 / (ZIPF - 1.0))).clamp(max=rows).long() - 1
+    return JaggedBatch(tuple(f"f{i}" for i in range(fields)), ids.clamp(0, rows - 1), lengths, validate=False)
+
+
+def _collection(variant: str, fields: int, rows: int, world: int) -> tuple[Any, Any]:
+    from picasso_ops.distributed import DataParallelEmbeddingCollection, RowShardedEmbeddingCollection
+    from picasso_ops.distributed.mixed import MixedEmbeddingCollection
+    from picasso_ops.distributed.planner import expected_unique_ids, plan_tables
+    from picasso_ops.embedding import TableSpec
+
+    specs = [TableSpec(f"t{i}", rows, DIM, "sum", "rowwise_adagrad", {"lr": 0.05}, feature_names=(f"f{i}",))
+             for i in range(fields)]
+    if variant == "data_parallel":
+        return DataParallelEmbeddingCollection(specs), None
+    if variant == "row_wise":
+        return RowShardedEmbeddingCollection(specs), None
+    unique = expected_unique_ids(rows, BATCH * (1 + MAX_IDS) / 2, zipf_exponent=ZIPF)
+    plan = plan_tables(specs, world_size=world, batch_size=BATCH, unique_ids={s.name: unique for s in specs})
+    if plan.uniform is not None:  # as sparse_scale.planned_tables builds a uniform plan: the one class
+        return _collection(plan.uniform, fields, rows, world)[0], plan
+    return MixedEmbeddingCollection(specs, plan), plan
+
+
+def _rank(rank: int, world: int, fields: int, rows: int, steps: int, round_: int) -> dict[str, Any]:
+    import torch
+
+    from picasso_ops.distributed import sparse_step
+
+    torch.set_num_threads(1)
+    order = VARIANTS[round_ % 3:] + VARIANTS[:round_ % 3]
+    out: dict[str, Any] = {}
+    batches = [_batch(s, rank, fields, rows) for s in range(steps + 2)]
+    target = torch.randn(fields * DIM, generator=torch.Generator().manual_seed(5))
+    for variant in order:
+        torch.manual_seed(0)
+        emb, plan = _collection(variant, fields, rows, world)
+        if plan is not None:
+            out["auto_plan"] = {p: len(plan.names(p)) for p in ("data_parallel", "row_wise")}
+            out["auto_why"] = plan.tables[0].why
+        torch.distributed.barrier()
+        for i, b in enumerate(batches):
+            if i == 2:  # two warm-up steps
+                torch.distributed.barrier()
+                start = time.perf_counter()
+            (emb(b).values @ target).mean().backward()
+            sparse_step(emb)
+        torch.distributed.barrier()
+        out[variant] = (time.perf_counter() - start) / steps * 1e3
+        del emb
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    from sparse_scale.multiproc import run_distributed
+
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows_out = []
+    for fields, rows in SHAPES:
+        per: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        plan = why = None
+        for r in range(args.rounds):
+            got = run_distributed(_rank, 2, args=(fields, rows, args.steps, r), timeout_s=600)
+            for v in VARIANTS:
+                per[v].append(max(g[v] for g in got))  # the slower rank sets the step
+            plan, why = got[0]["auto_plan"], got[0]["auto_why"]
+        med = {v: statistics.median(per[v]) for v in VARIANTS}
+        line = (f"| {fields} x {rows:,} | " + " | ".join(
+            f"{med[v]:.2f} ({min(per[v]):.2f}-{max(per[v]):.2f})" for v in VARIANTS)
+            + f" | {plan['data_parallel']} dp / {plan['row_wise']} rw: {why} | "
+            f"{med['data_parallel'] / med['row_wise']:.2f}x |")
+        print(line, flush=True)
+        rows_out.append(line)
+    load_after = os.getloadavg()
+    command = ".venv/bin/python benchmarks/planner.py " + shlex.join(sys.argv[1:])
+    text = "\n".join([
+        f"\n## Sharding planner: tables alone, data-parallel vs row-wise vs auto ({started})\n",
+        f"Command: `{command.strip()}`; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"2 gloo ranks x 1 thread; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+        "(other helpers were running on the machine). Dim 16, batch 256 per rank, 1-3 Zipf(1.1) ids per field, "
+        f"row-wise Adagrad; forward + backward + sparse step of the tables only; {args.rounds} rounds of "
+        f"{args.steps} steps, variants alternated; ms/step median (range over rounds), the slower rank.\n",
+        "| F x rows | data_parallel | row_wise | auto | auto's plan (why, first table) | dp / rw |",
+        "|---|---|---|---|---|---|",
+        *rows_out, ""])
+    print(text)
+    if not args.no_write:
+        with RESULTS.open("a") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
