@@ -32,7 +32,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from moe_proto import dispatch, layer, routing
+from moe_proto import dispatch, router, routing
 
 
 def _load_layer_bench():
@@ -50,20 +50,20 @@ def _load_layer_bench():
 @contextlib.contextmanager
 def torch_paths() -> Iterator[None]:
     """Inside: the layer's non-expert C++ kernels are off (their callers see no library), ``x`` is dispatched itself."""
-    route = layer.MoE._route
+    route = router.Router.route
 
-    def route_without_alias(self, x, used_token, sequence_length):
-        return route(self, x, used_token, sequence_length)[0], x, None
+    def route_without_alias(self, x, used_token=None, sequence_length=None):
+        return router.RouterOutput(route(self, x, used_token, sequence_length).record, x, None)
 
-    saved = (layer.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops)
-    layer.MoE._route = route_without_alias
-    layer.cpu_ops_for = dispatch.cpu_ops_for = lambda *tensors: None
+    saved = (router.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops)
+    router.Router.route = route_without_alias
+    router.cpu_ops_for = dispatch.cpu_ops_for = lambda *tensors: None
     routing.load_cpu_ops = lambda: None
     try:
         yield
     finally:
-        layer.MoE._route = route
-        layer.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops = saved
+        router.Router.route = route
+        router.cpu_ops_for, dispatch.cpu_ops_for, routing.load_cpu_ops = saved
 
 
 def run(cfg, modes: Sequence[str], reps: int, warmup: int = 2) -> List[Tuple[str, float, float]]:

@@ -151,14 +151,14 @@ def test_kernel_ab_benchmark_runs_both_arms_and_they_agree():
         return [out.detach(), x.grad] + [p.grad for p in moe.parameters()]
 
     with_kernels = grads()
-    from moe_proto import dispatch, layer, routing
+    from moe_proto import dispatch, router, routing
 
     with ab.torch_paths():
         # the switch reaches every caller of the non-expert kernels (else both arms would be the same code)
-        assert layer.cpu_ops_for(torch.ones(1)) is None and dispatch.cpu_ops_for(torch.ones(1)) is None
+        assert router.cpu_ops_for(torch.ones(1)) is None and dispatch.cpu_ops_for(torch.ones(1)) is None
         assert routing.load_cpu_ops() is None
         without = grads()
-    assert layer.cpu_ops_for(torch.ones(1)) is not None and routing.load_cpu_ops() is not None
+    assert router.cpu_ops_for(torch.ones(1)) is not None and routing.load_cpu_ops() is not None
     for a, b in zip(with_kernels, without):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
