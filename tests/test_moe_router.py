@@ -127,3 +127,12 @@ def test_subclasses_override_stages_with_super():
     assert isinstance(scaled, MoEBase)
     with pytest.raises(TypeError, match="MoEBase holds the shared stages"):
         MoEBase(D, None, num_experts=E, ffn_hidden_size=FFN)
+
+
+def test_the_docs_class_layout_example_runs():
+    """docs/moe.md, "The class layout": the snippet as shown."""
+    config = RouterConfig(num_experts=8, k=2, use_rts=False)
+    router = Router(64, config)  # a layer's gate, on its own
+    layer = MoE(64, None, num_experts=8, k=2, use_rts=False, ffn_hidden_size=128)
+    assert layer.gate.config.router_config() == config  # the layer's router, from the same declaration
+    assert router.weight.shape == layer.gate.weight.shape == (8, 64)
