@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SHAPES = [(26, 100_000), (200, 10_000), (1000, 1_000)]
 DIM, BATCH, MAX_IDS, ZIPF = 16, 256, 3, 1.1

@@ -137,7 +137,7 @@ def _assert_close(name: str, got: dict, want: dict, atol: float) -> None:
 
 
 def _check_mixed(rank: int, world: int, steps: int = 2, batch: int = 8) -> dict:
-    """Every step's forward, the tables after the steps and eval of a mixed collection = one process on the global batch."""
+    """Each step's forward, the tables after the steps and eval of a mixed plan = one process on the global batch."""
     report = {}
     for optimizer, atol in ATOL.items():
         torch.manual_seed(0)  # same reference (and initial rows) on every rank
@@ -235,6 +235,7 @@ def _rec_auto(tmp_path, name: str, steps: int, *extra: str, model: str = "dlrm")
     return run_distributed(_run, 2, args=(argv,), timeout_s=55, init_process_group=False)
 
 
+@pytest.mark.soak  # a whole rec job on 2 ranks: 19 s on the loaded 2-core machine
 def test_the_rec_job_trains_a_mixed_plan_on_two_ranks(tmp_path):
     ranks = _rec_auto(tmp_path, "a", 3)
     for r in ranks:

@@ -75,6 +75,8 @@ class MixedEmbeddingCollection(nn.Module):
     ) -> None:
         super().__init__()
         self.specs: tuple[TableSpec, ...] = tuple(specs)
+        if not self.specs:
+            raise ValueError("MixedEmbeddingCollection needs at least one table")
         placement = {t.name: t.choice for t in plan.tables} if isinstance(plan, ShardingPlan) else dict(plan)
         names = [s.name for s in self.specs]
         missing = [n for n in names if n not in placement]

@@ -21,10 +21,12 @@ row_wise      ``(W-1)/W u (8 + 8D)``: ids to their owners,  ``g / W``: only the 
 
 A row's memory is its weight (``D`` x the table dtype's bytes) plus its optimizer state (fp32: one
 value per row for ``rowwise_adagrad``, ``2 D`` for ``adam``, none for ``sgd``). Seconds are
-``bytes / bandwidth + rows updated x D x update cost per value`` (:class:`CostModel`; set its
-constants for the network and CPU at hand). ``u`` is the expected number of distinct rows among
-``n = batch size x ids per field x fields of the table`` ids drawn uniformly,
-``R (1 - (1 - 1/R)^n)`` (an upper bound for skewed ids), unless the caller gives ``u``; ``g`` is then
+``bytes / bandwidth + rows updated x D x update cost per value``, plus, for row-wise, a cost per
+looked-up id (its routing, dedup and local pooling run as torch ops where the data-parallel lookup
+runs the fused kernel) (:class:`CostModel`; set its constants for the network and CPU at hand).
+``u`` is the expected number of distinct rows among ``n = batch size x ids per field x fields of the
+table`` ids drawn uniformly, ``R (1 - (1 - 1/R)^n)`` (an upper bound for skewed ids; see
+:func:`expected_unique_ids` for Zipf-skewed ones), unless the caller gives ``u``; ``g`` is then
 ``R (1 - (1 - u/R)^W)``, the ranks drawing independently.
 
 The rules, in order (the first that applies decides, and is the plan's *why*):
@@ -60,6 +62,7 @@ from typing import Literal, Mapping, Optional, Sequence
 
 import torch
 
+from picasso_ops.embedding.sparse_optim import OPTIMIZERS
 from picasso_ops.embedding.spec import TableSpec
 
 __all__ = ["CostModel", "TableChoice", "ShardingPlan", "Placement", "PLACEMENTS", "plan_tables",
@@ -69,8 +72,6 @@ logger = logging.getLogger(__name__)
 
 Placement = Literal["data_parallel", "row_wise"]
 PLACEMENTS: tuple[str, ...] = ("data_parallel", "row_wise")
-_STATE_VALUES_PER_ROW = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 1, "adam": lambda d: 2 * d}
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -79,12 +80,15 @@ class CostModel:
     Attributes:
         bandwidth_bytes_per_s: bytes per second one rank receives in a collective.
         update_s_per_value: seconds to apply the optimizer to one value of one row (dedup included).
+        row_wise_s_per_id: extra seconds per looked-up id on the row-wise path (owner routing, dedup,
+            local pooling and their backward, against the fused data-parallel lookup).
         latency_s: fixed seconds of one collective (paid per exchange, whatever its size).
         min_saving_s: a table goes row-wise by cost only when that saves more than this per step.
         max_replicated_bytes: a table whose replicated copy (weights and optimizer state) is larger
             goes row-wise whatever the cost.
 
-    The defaults are rough figures for gloo over loopback on a CPU host; set them for the cluster.
+    The defaults are rough figures for gloo over loopback on a 2-core CPU host (``benchmarks/planner.py``
+    times the placements); set them for the cluster.
 
     Example::
 
@@ -93,7 +97,8 @@ class CostModel:
     """
 
     bandwidth_bytes_per_s: float = 1.0e9
-    update_s_per_value: float = 2.0e-9
+    update_s_per_value: float = 1.0e-8
+    row_wise_s_per_id: float = 2.0e-7
     latency_s: float = 1.0e-4
     min_saving_s: float = 2.0e-5
     max_replicated_bytes: int = 1 << 30
@@ -216,10 +221,10 @@ def _global_unique(rows: int, local: float, world_size: int) -> float:
 
 
 def _row_bytes(spec: TableSpec) -> int:
+    """Bytes of one row: its weight and its fp32 optimizer state (one value per row or one per element)."""
     d = spec.embedding_dim
-    elem = spec.dtype.itemsize
-    state = _STATE_VALUES_PER_ROW.get(spec.optimizer, lambda d: 2 * d)(d)  # unknown optimizer: assume adam's
-    return d * elem + 4 * state
+    kinds = OPTIMIZERS[spec.optimizer].state_kinds.values()  # TableSpec validated the optimizer's name
+    return d * spec.dtype.itemsize + 4 * sum(1 if kind == "row" else d for kind in kinds)
 
 
 def resolve_overrides(overrides: Mapping[str, str], specs: Sequence[TableSpec],
@@ -299,18 +304,19 @@ def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int,
     for spec in specs:
         R, D = int(spec.num_embeddings), int(spec.embedding_dim)
         fields = max(1, len(spec.feature_names))
+        draws = batch_size * ids_per_field * fields  # ids looked up in this table per rank and step
         if spec.name in unique_ids:
             u = float(unique_ids[spec.name])
             if not 0 <= u:
                 raise ValueError(f"plan_tables: unique_ids[{spec.name!r}] must be >= 0, got {u}")
             u = min(u, float(R))
         else:
-            u = expected_unique_ids(R, batch_size * ids_per_field * fields)
+            u = expected_unique_ids(R, draws)
         g = _global_unique(R, u, W)
         seconds = {
             "data_parallel": (W - 1) * u * 4 * (D + 2) / cost.bandwidth_bytes_per_s + g * D * cost.update_s_per_value,
             "row_wise": (W - 1) / W * u * (8 + 8 * D) / cost.bandwidth_bytes_per_s
-            + g / W * D * cost.update_s_per_value,
+            + g / W * D * cost.update_s_per_value + draws * cost.row_wise_s_per_id,
         }
         row = _row_bytes(spec)
         memory = {"data_parallel": R * row, "row_wise": -(-R // W) * row}
@@ -333,8 +339,10 @@ def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int,
             why = f"saves {saving * 1e6:,.0f} us/step (~{u:,.0f} unique ids/rank)"
             by_cost.append(len(choices))
         else:
-            kind = "hot" if u >= 0.5 * R else "small"
-            choice, why = "data_parallel", f"{kind}: row-wise saves {max(saving, 0.0) * 1e6:,.1f} us/step"
+            hot = "hot (the batch touches most rows): " if u >= 0.5 * R else ""
+            gain = (f"row-wise saves only {saving * 1e6:,.1f} us/step" if saving > 0
+                    else f"row-wise costs {-saving * 1e6:,.1f} us/step more")
+            choice, why = "data_parallel", f"{hot}{gain} (~{u:,.0f} unique ids/rank)"
         choices.append(TableChoice(spec.name, R, D, choice, why, u, seconds, memory))
     if by_cost and not forced_row_wise:
         packs = len({(s.embedding_dim, s.optimizer, s.dtype) for s in specs if s.name in
