@@ -23,7 +23,6 @@ import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import torch
 from torch import nn
 
 from picasso_ops.distributed.mixed import MixedEmbeddingCollection

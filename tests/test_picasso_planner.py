@@ -11,7 +11,6 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import sparse_scale
 from picasso_ops.config import PicassoConfig
