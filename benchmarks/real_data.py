@@ -609,6 +609,17 @@ def ensure_peer_packages(argv: Sequence[str]) -> None:
     os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's machine name where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def load_sets(names: Sequence[str]) -> Iterator[DataSet]:
     folder = widedeep_data_dir()
     loaders: dict[str, Callable[[Path], DataSet]] = {"movielens100k": load_movielens, "adult": load_adult}
@@ -679,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "started": started.isoformat(timespec="seconds"), "command": " ".join(["benchmarks/real_data.py", *argv]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "machine": f"{cpu_model()}, {os.cpu_count()} cores",
             "loadavg_end": os.getloadavg(), "epochs": args.epochs, "config": str(args.config),
             "ours_set": args.ours_set, "ours_flag": args.ours_flag, "vocab": args.vocab, "lrs": lrs,
             "layout": args.layout,
