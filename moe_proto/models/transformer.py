@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..args import RoutingOptions, SharedExpertOptions, routing_options_of
 from ..buffer_pool import HostBufferPool, use_buffer_pool
-from ..layer import moe_class
+from ..layer import MoEBase, moe_class
 from ..router import router_config_of_block
 from .config import DEFAULT_VOCAB, END_OF_DOCUMENT, MoEModelConfig
 
@@ -250,7 +250,7 @@ class MoETransformerLM(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / math.sqrt(2 * self.args.num_layers))
 
-    def moe_layers(self) -> List[MoE]:
+    def moe_layers(self) -> List[MoEBase]:
         """The MoE FFN layers, in depth order (for their ``last_stats``)."""
         return [b.ffn for b in self.blocks if b.is_moe]
 
