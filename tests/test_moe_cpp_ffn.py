@@ -246,7 +246,7 @@ def test_add_router_input_grad_kernel_gathers_the_dispatch_buffer_rows(cpp, widt
 @pytest.mark.parametrize("k", [1, 2])
 def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch, k):
     """The layer with every C++ kernel against the layer with none (each falls back to its torch expression)."""
-    from moe_proto import MoE, dispatch, experts, layer, routing
+    from moe_proto import MoE, dispatch, experts, router, routing
 
     def grads():
         torch.manual_seed(0)
@@ -264,7 +264,7 @@ def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch, k):
             used.add(name)
             return getattr(cpp, name)
 
-    for module in (dispatch, layer):
+    for module in (dispatch, router):
         monkeypatch.setattr(module, "cpu_ops_for", lambda *tensors: Counting())
     monkeypatch.setattr(experts, "load_cpu_ops", Counting)
     monkeypatch.setattr(routing, "load_cpu_ops", Counting)
@@ -272,7 +272,7 @@ def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch, k):
     assert used == {"assign_slots", "add_router_input_grad", "combine_backward", "expert_ffn_forward",
                     "expert_ffn_backward"} | ({"select_top1"} if k == 1 else set()), used
     monkeypatch.setattr(experts, "load_cpu_ops", lambda: None)
-    for module in (dispatch, layer):
+    for module in (dispatch, router):
         monkeypatch.setattr(module, "cpu_ops_for", lambda *tensors: None)
     monkeypatch.setattr(routing, "load_cpu_ops", lambda: None)
     without = grads()
