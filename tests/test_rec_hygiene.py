@@ -283,10 +283,14 @@ def test_the_issues_lr_1e6_demo_run_exits_non_zero(tmp_path):
 
 def test_the_shipped_demo_config_trains_without_a_false_stop(tmp_path):
     healthy = tmp_path / "healthy"  # the shipped settings: the guard stays quiet
-    argv = [*SMALL, "--config", _ds_config(tmp_path, name="demo.json"), "--out", str(healthy), "--steps", "60"]
+    (healthy / "best").mkdir(parents=True)  # an earlier run's kept best: --overwrite starts over without it
+    (healthy / "best" / "best.json").write_text("{}")
+    argv = [*SMALL, "--config", _ds_config(tmp_path, name="demo.json"), "--out", str(healthy), "--steps", "60",
+            "--overwrite"]
     got = run_distributed(_cli, 1, args=(argv,), timeout_s=50, init_process_group=False)[0]
     assert got["code"] == 0, got
     assert json.loads((healthy / "summary.json").read_text())["steps"] == 60
+    assert not (healthy / "best").exists()
 
 
 @pytest.fixture

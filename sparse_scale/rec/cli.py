@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -245,6 +246,8 @@ def train(args: argparse.Namespace, model_factory: Callable[..., Any] | None = N
     check_combinations(config)  # before the launcher's rendezvous or a restarted worker's wait for the servers
     if config.rejoin_as is None:  # a replacement worker joins the running job's folder on purpose
         check_out_folder(config.out, config.resume, getattr(args, "overwrite", False))
+        if getattr(args, "overwrite", False) and not config.resume:  # an earlier run's kept best is not this run's
+            shutil.rmtree(Path(config.out) / "best", ignore_errors=True)  # every rank, before any rendezvous
     check_files(config)
     wandb_mode = setup_wandb_env(Path(config.out))
     ctx = runner.job_context(config)
