@@ -2,10 +2,8 @@
 
 Why: glibc serves allocations of megabytes from fresh ``mmap`` pages (or trims and regrows
 its heap), so every training step's activations, expert-major buffers and weight
-gradients are page-faulted in again, one 4 KiB page at a time. On this project's 2-core
-Xeon the expert stage of a top-1 layer (S=4096, d=256, ffn=1024, E=16, one thread) took
-104-111 ms per forward+backward with fresh buffers (7,700-18,400 minor faults per step)
-and 87-91 ms with the same buffers reused (0 faults). CUDA has a caching allocator for
+gradients are page-faulted in again, one 4 KiB page at a time, which costs a measurable part of the
+expert stage on CPU (benchmarks/RESULTS.md). CUDA has a caching allocator for
 this reason; this is the same idea for the few large CPU tensors the layer creates itself.
 
 How: a buffer is one untyped storage held by the pool; :meth:`HostBufferPool.empty` hands

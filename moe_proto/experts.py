@@ -5,39 +5,18 @@ SwiGLU, optional biases ``b1 [E, ffn]``, ``b2 [E, d]``, ``b3 [E, ffn]``). The in
 the expert-major buffer from :mod:`moe_proto.dispatch` with its per-expert row
 counts, so only filled rows are computed.
 
-Matmul path, measured on this project's CPU (torch 2.13, 1 thread, S=4096, d=256,
-ffn=1024, E=16, cf=1.25, skewed load, forward+backward of both projections and GELU,
-median thread CPU time of 11 interleaved runs):
+Which path runs, and why (the measurements are in benchmarks/RESULTS.md, "MoE layer" sections):
 
-=========  ==========  =========================  ==============  ==========================
-routing    grouped_mm  loop (split + unbind)      padded [E,C,d]  ideal: one GEMM, same rows
-=========  ==========  =========================  ==============  ==========================
-top-1      136 ms      142 ms                     193 ms          129 ms
-top-2      289 ms      291 ms                     383 ms          249 ms
-=========  ==========  =========================  ==============  ==========================
-
-``torch.nn.functional.grouped_mm`` works on CPU in fp32/bf16 and is the fastest: the
-padded bmm pays for the empty capacity slots, and a Python loop pays per-expert
-autograd overhead (indexing ``w[e]`` rather than ``unbind`` cost 2.6x grouped_mm in a
-wall-clock run, from allocating a full-size weight gradient per expert). It is used
-whenever it accepts the operands; the loop stays for what it does not accept: float64,
-strides that are not 16-byte multiples, torch builds without it, and CUDA below SM80
-or not bf16.
-
-On CPU, :class:`GroupedExperts` goes one step further and runs the whole FFN per
-expert in :func:`fused_expert_ffn` (bias added to the slice in cache, activation on the slice
-while it is in cache, hand-written backward without per-expert allocations). Same
-setting as the table, expert FFN only, equal loads: top-1 137-190 ms grouped_mm path
-vs 130-158 ms fused vs 121-146 ms ideal over runs on the loaded machine, fused/ideal
-0.86-1.0 for top-1 and about 1.07 for top-2 (medians of 15, thread CPU time).
-``GroupedExperts.fused_cpu = False`` restores the grouped_matmul composition.
-
-Two more steps on CPU (issue 14; 2-core Xeon, same shapes, the router's uneven loads, forward +
-backward, median of 15 interleaved runs): the loop's large buffers come from
-:mod:`moe_proto.buffer_pool` instead of fresh allocations (87-91 ms against 104-111 ms, which page-faulted
-7,700-18,400 times a step), and fp32 experts with a non-gated activation run the loop in C++
-(:mod:`moe_proto.ops`: 76.8 ms against 83.1 ms for the pooled torch loop at top-1 rows, 147.6 against
-158.2 ms at top-2 rows). ``GroupedExperts.cpp_ffn = False`` keeps the torch loop.
+* ``torch.nn.functional.grouped_mm`` where it accepts the operands (fp32/bf16 on CPU): a padded
+  ``[E, C, d]`` bmm pays for empty capacity slots, and a Python loop pays per-expert autograd overhead.
+  The loop stays for what it does not accept: float64, strides that are not 16-byte multiples, torch
+  builds without it, and CUDA below SM80 or not bf16.
+* On CPU, :class:`GroupedExperts` runs the whole FFN per expert in :func:`fused_expert_ffn` (bias and
+  activation applied while the slice is in cache, a hand-written backward without per-expert
+  allocations); ``GroupedExperts.fused_cpu = False`` restores the grouped_matmul composition.
+* The loop's large buffers come from :mod:`moe_proto.buffer_pool` (fresh ones page-fault on every
+  step), and fp32 experts with a non-gated activation run the loop in C++ (:mod:`moe_proto.ops`);
+  ``GroupedExperts.cpp_ffn = False`` keeps the torch loop.
 
 Expert parameters carry DeepSpeed's markers (``allreduce=False``,
 ``group_name="ep_size_{ep_size}"``), as ``deepspeed.moe.experts.Experts`` sets them.

@@ -12,12 +12,10 @@ compiler, or when the build fails, :func:`load_cpu_ops` logs one warning and ret
 None, and every caller keeps its torch expression (:class:`moe_proto.experts.GroupedExperts`
 its pure-torch loop).
 
-What it saves, measured on this project's 2-core Xeon (S=4096, d=256, ffn=1024, E=16,
-one thread, forward+backward of the expert stage with the router's uneven loads, median of
-15 interleaved runs): 76.8 ms against 83.1 ms for the torch loop at top-1 rows, 147.6 against
-158.2 ms at top-2 rows. GELU's backward no longer recomputes erf and exp (the forward pass
-keeps the derivative instead of the pre-activation, same memory), the biases are added
-and summed inside those passes, and the per-expert loop runs in C++ without the GIL.
+What it saves over the pooled torch loop is measured in benchmarks/RESULTS.md (MoE layer sections).
+GELU's backward does not recompute erf and exp (the forward pass keeps the derivative instead of the
+pre-activation, same memory), the biases are added and summed inside those passes, and the per-expert
+loop runs in C++ without the GIL.
 
 Prebuild (``make venv`` does it; :mod:`moe_proto.prebuild`)::
 

@@ -83,8 +83,12 @@ def _check_server_tables(out: Path, summary: dict) -> None:
     plain = WideAndDeep(WideAndDeepArgs([200] * 26, num_dense=13, embedding_dim=16))
     tables = sum(p.numel() for n, p in plain.named_parameters() if "bags" in n)
     dense = sum(p.numel() for p in plain.parameters()) - tables
-    # a switch hands over the dense layers with their two Adam moments only: the tables stay on the server
-    assert all(e["nbytes"] == dense * 3 * 4 for e in summary["gba"]["switches"]), (dense, summary["gba"]["switches"])
+    # a switch hands over the dense layers with their two Adam moments and, from the sync phase's workers, the
+    # deep (dim 16) and wide (dim 1) tables with their two Adam moments (gba.sync_tables "workers", the default)
+    rows = 26 * 200
+    table_bytes = rows * (16 + 1) * 3 * 4
+    assert all(e["nbytes"] == dense * 3 * 4 + table_bytes for e in summary["gba"]["switches"]), \
+        (dense, table_bytes, [e["nbytes"] for e in summary["gba"]["switches"]])
     saved = load_tables(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), 0, 1)
     assert len(saved) == 52 and saved["deep0"]["weight"].shape == (200, 16) and saved["wide25"]["weight"].shape == (200, 1)
     assert saved["deep0"]["steps"] == 24  # one update per global batch of the job, in every mode
