@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="DeepSpeed plugin for large-scale MoE and embeddings: GBA, PICASSO, expert prototyping",
     python_requires=">=3.10",
-    packages=find_packages(include=["sparse_scale*", "picasso_ops*", "moe_proto*", "gba_engine*"]),
+    packages=find_packages(include=["sparse_core*", "sparse_scale*", "picasso_ops*", "moe_proto*", "gba_engine*"]),
     # every native source and header ships: the C++ ops are JIT-built from source on first use
     package_data={"picasso_ops.ops": ["csrc/*.cpp", "csrc/*.h"], "moe_proto": ["csrc/*.cpp", "csrc/*.h"]},
     install_requires=[

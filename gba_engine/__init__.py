@@ -10,7 +10,7 @@ Example::
 """
 from __future__ import annotations
 
-from sparse_scale.base.lazy_exports import lazy_exports
+from sparse_core.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "GBAConfig": "config",

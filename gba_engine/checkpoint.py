@@ -13,7 +13,7 @@ Layout inside a checkpoint folder ``DIR/TAG``::
 
 Every file is written to a temporary name, fsynced and renamed, and a file that cannot be read
 is an error naming it. (The job layer stages whole folders and adds a manifest on top:
-``sparse_scale.base.atomic_checkpoint``.)
+``sparse_scale.atomic_checkpoint``.)
 
 Example::
 

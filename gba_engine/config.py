@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from sparse_scale.base.blocks import StrictBlock
+from sparse_core.blocks import StrictBlock
 
 HEARTBEAT_LEASE = 5  # a rank whose heartbeat did not move for this many periods (the lease) is presumed lost
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from sparse_scale.base.config_file import read_config_file, split_config, validate_model
+from sparse_core.config_file import read_config_file, split_config, validate_model
 
 from .config import GBAConfig
 from .ps import OptimizerSpec, layout

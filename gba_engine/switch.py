@@ -8,7 +8,7 @@ length, the optimizer's step count and the model version (global updates applied
 * :func:`state_from_deepspeed` reads it from a DeepSpeed engine; with ZeRO stage 1/2 each
   worker holds one partition of the fp32 master weights and moments, so the partitions
   are all-gathered over the data-parallel group first (a collective: every worker calls it).
-  DeepSpeed's ZeRO internals are read through :mod:`sparse_scale.base.zero_state` (shared
+  DeepSpeed's ZeRO internals are read through :mod:`sparse_core.zero_state` (shared
   with ``moe_proto.checkpoint``).
 * :func:`state_into_deepspeed` writes it back (each ZeRO rank keeps its own partition).
 * :func:`state_from_server` / :func:`state_into_server` do the same for one parameter
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 
-from sparse_scale.base.zero_state import (base_optimizer, bind_partition_state, flat_partitions, gather_flat,
+from sparse_core.zero_state import (base_optimizer, bind_partition_state, flat_partitions, gather_flat,
                                          partition_state, step_of, zero_stage)
 
 from .ps.optim import OptimizerSpec

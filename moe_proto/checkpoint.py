@@ -13,7 +13,7 @@ This module writes its own topology-free checkpoint instead, one directory per t
 
 Every tensor is the full fp32 value (under ZeRO 1/2 assembled from each rank's flat
 partition through the parameter's ``_hp_mapping`` addresses by
-:mod:`sparse_scale.base.zero_state`, like DeepSpeed's ``safe_get_full_*`` API but reading
+:mod:`sparse_core.zero_state`, like DeepSpeed's ``safe_get_full_*`` API but reading
 the optimizer state directly; under ZeRO 3 gathered over the parameter's partition group
 (the expert-data-parallel group for experts) with ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` and written back per partition; without ZeRO from the
@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from sparse_scale.base.zero_state import (base_optimizer, is_partitioned, read_full_param,
+from sparse_core.zero_state import (base_optimizer, is_partitioned, read_full_param,
                                          relink_zero_optimizer_states, write_param_fragment, zero_stage)
 
 from .ds_layout import stacked_layout
 from .experts import GroupedExperts
 from .layer import MoEBase
-from sparse_scale.base.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
+from sparse_core.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
                                            write_full_state)
 
 logger = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ def _materialize_optimizer_state(engine: Any, group_steps: List[float]) -> None:
     """Create Adam state (zeros) where the optimizer has none yet and set each group's saved step.
 
     Under ZeRO 1/2 the inner optimizer's group ``i`` holds exactly the flat fp32 partition ``i``;
-    under ZeRO 3 its flat partitions are listed by :func:`sparse_scale.base.zero3_state.flat_groups`.
+    under ZeRO 3 its flat partitions are listed by :func:`sparse_core.zero3_state.flat_groups`.
     """
     base = _inner_optimizer(engine)
     for group, keys, step in zip(base.param_groups, _state_keys(engine), group_steps):

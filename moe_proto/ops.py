@@ -6,7 +6,7 @@
 * ``csrc/route_slots.cpp``: the top-1 choice and the capacity slots (``moe_proto.routing``).
 
 They are JIT-built once (``torch.utils.cpp_extension`` through
-:mod:`sparse_scale.base.jit_build`: a cache folder per CPU kind, stale build locks
+:mod:`sparse_core.jit_build`: a cache folder per CPU kind, stale build locks
 named or cleared) into ``<torch extensions>/moe_proto_cpu-<build key>``. Without a
 compiler, or when the build fails, :func:`load_cpu_ops` logs one warning and returns
 None, and every caller keeps its torch expression (:class:`moe_proto.experts.GroupedExperts`
@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from sparse_scale.base import jit_build
+from sparse_core import jit_build
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def build_directory(march: str = "native", root: Optional[Path] = None) -> Path:
 def load_cpu_ops(*, verbose: bool = False, clear_stale: bool = True) -> Optional[object]:
     """The built extension module (building it on first use), or None after one warning if it cannot be.
 
-    A :class:`~sparse_scale.base.jit_build.StaleLockError` (``clear_stale=False``) is raised,
+    A :class:`~sparse_core.jit_build.StaleLockError` (``clear_stale=False``) is raised,
     not swallowed: the user must delete the lock it names.
     """
     if _state["module"] is not None or _state["failed"] is not None:

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Optional
 
-from sparse_scale.base import jit_build
+from sparse_core import jit_build
 
 from .ops import load_cpu_ops
 

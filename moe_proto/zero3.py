@@ -49,7 +49,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from sparse_scale.base.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
+from sparse_core.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
                                            write_full_state)
 
 from .experts import GroupedExperts
@@ -153,5 +153,5 @@ def _refuse_module_experts(layer: Any) -> None:
 
 
 __all__ = ["ZeRO3MoE", "to_zero3", "EXPERT_PLACEMENT_FAMILY", "REPLICATED_PLACEMENT_FAMILY",
-           # ZeRO-3 state readers (sparse_scale.base.zero3_state), re-exported for moe_proto.checkpoint's callers
+           # ZeRO-3 state readers (sparse_core.zero3_state), re-exported for moe_proto.checkpoint's callers
            "is_zero3_param", "gathered_value", "read_full_state", "write_full_state", "flat_groups"]

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from sparse_scale.base.blocks import StrictBlock
+from sparse_core.blocks import StrictBlock
 
 
 class SparseOptimizerConfig(StrictBlock):

@@ -10,7 +10,7 @@ Names are imported on first use, so ``import sparse_scale`` (and reading a confi
 """
 from __future__ import annotations
 
-from sparse_scale.base.lazy_exports import lazy_exports
+from sparse_core.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "initialize": "entry",

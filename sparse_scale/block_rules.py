@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from sparse_scale.base.config_file import ConfigError
+from sparse_core.config_file import ConfigError
 
 
 class BlockCombinationError(ConfigError):

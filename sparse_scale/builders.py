@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from sparse_scale.base.config_file import ConfigError
+from sparse_core.config_file import ConfigError
 from sparse_scale.config import JobConfig
 
 logger = logging.getLogger(__name__)

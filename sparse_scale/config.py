@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import pydantic
 
-from sparse_scale.base.config_file import (DEEPSPEED_KEYS, PLUGIN_BLOCK_NAMES, ConfigError, read_config_file,  # noqa: F401
+from sparse_core.config_file import (DEEPSPEED_KEYS, PLUGIN_BLOCK_NAMES, ConfigError, read_config_file,  # noqa: F401
                                            split_config, validate_model)
 
 # block name -> "module:Model"; imported lazily so a package's block is only checked when present.
@@ -30,7 +30,7 @@ PLUGIN_BLOCKS: dict[str, str] = {
     "gba": "gba_engine.config:GBAConfig",
 }
 if tuple(PLUGIN_BLOCKS) != PLUGIN_BLOCK_NAMES:  # the foundation splits blocks by name; both lists must agree
-    raise RuntimeError(f"PLUGIN_BLOCKS {tuple(PLUGIN_BLOCKS)} != sparse_scale.base PLUGIN_BLOCK_NAMES {PLUGIN_BLOCK_NAMES}")
+    raise RuntimeError(f"PLUGIN_BLOCKS {tuple(PLUGIN_BLOCKS)} != sparse_core PLUGIN_BLOCK_NAMES {PLUGIN_BLOCK_NAMES}")
 
 
 @dataclasses.dataclass(frozen=True)

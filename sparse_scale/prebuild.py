@@ -6,7 +6,7 @@ DeepSpeed JIT-builds ``deepspeed_shm_comm`` on the first ``init_distributed`` of
 multi-rank CPU job (~1 min) into ~/.cache/torch_extensions. A build killed midway
 leaves a ``lock`` file there and every later build waits on it forever: this script
 removes such a lock (of any op, ours or DeepSpeed's) with a warning naming it, instead of hanging. Staleness is judged by
-``sparse_scale.base.jit_build.lock_staleness``, the one stale-lock test of the project;
+``sparse_core.jit_build.lock_staleness``, the one stale-lock test of the project;
 this edge binds ``picasso_ops.ops.configure(OpsConfig.from_env(os.environ))`` first.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from sparse_scale.base import jit_build
+from sparse_core import jit_build
 from picasso_ops.ops.config import OpsConfig, configure, current_config
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 THREE = ("picasso_ops", "moe_proto", "gba_engine")
-LIBRARY = (*THREE, "sparse_scale")
+CORE = "sparse_core"
+LIBRARY = (*THREE, "sparse_scale", CORE)
 SCRIPT_DIRS = ("launch", "benchmarks")
 
 
@@ -93,15 +94,36 @@ def test_package_dependencies_point_one_way(package, forbidden):
 
 
 @pytest.mark.parametrize("package", THREE)
-def test_the_three_packages_import_only_the_base_of_sparse_scale(package):
-    bad = _offenders([package], ["sparse_scale"], allowed=["sparse_scale.base"])
-    assert not bad, f"{package} may import sparse_scale.base only:\n" + "\n".join(bad)
+def test_the_three_packages_never_import_the_job_layer(package):
+    bad = _offenders([package], ["sparse_scale"])
+    assert not bad, f"{package} must not import sparse_scale (the job layer); the floor is sparse_core:\n" + "\n".join(bad)
 
 
-def test_the_base_imports_no_package_of_the_project():
-    bad = _offenders(["sparse_scale/base"], [*THREE, "sparse_scale"], allowed=["sparse_scale.base"])
-    rule = "sparse_scale.base must import none of the packages nor the rest of sparse_scale:\n"
-    assert not bad, rule + "\n".join(bad)
+def test_the_foundation_imports_no_package_of_the_project():
+    bad = _offenders([CORE], [*THREE, "sparse_scale"])
+    assert not bad, f"{CORE} must import none of the packages nor the job layer:\n" + "\n".join(bad)
+
+
+def test_what_only_the_jobs_use_lives_with_the_jobs():
+    """A module of the foundation that none of the three packages imports belongs to the job layer."""
+    used = {imp.name.split(".")[1] for path in _files(*THREE) for imp in imports_of(path)
+            if imp.under(CORE) and imp.name != CORE}
+    modules = {p.stem for p in (ROOT / CORE).glob("*.py") if p.stem != "__init__"}
+    assert modules - used == set(), f"used by the jobs only, move to sparse_scale: {sorted(modules - used)}"
+
+
+def test_the_old_foundation_path_still_imports_with_a_warning():
+    import importlib
+    import sys
+    import warnings
+
+    for name in [n for n in sys.modules if n == "sparse_scale.base" or n.startswith("sparse_scale.base.")]:
+        del sys.modules[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("sparse_scale.base.blocks")
+    assert old is importlib.import_module("sparse_core.blocks")
+    assert any(issubclass(w.category, DeprecationWarning) and "sparse_core" in str(w.message) for w in caught)
 
 
 def test_library_code_never_imports_launch_or_benchmarks():

@@ -212,7 +212,7 @@ def _moe_layer():
 
 
 def _checkpoint(tmp: Path, tag: str, payload: bytes = b"weights" * 10) -> Path:
-    from sparse_scale.base import atomic_checkpoint as ac
+    from sparse_scale import atomic_checkpoint as ac
 
     staged = ac.begin(tmp / "ckpt", tag) / tag
     staged.mkdir(parents=True)
@@ -236,7 +236,7 @@ def _load_blocks(tmp: Path, **blocks) -> None:
     load_config(_config(tmp, **blocks))
 
 
-from sparse_scale.base.config_file import ConfigError  # noqa: E402  (after the helpers: the battery's imports)
+from sparse_core.config_file import ConfigError  # noqa: E402  (after the helpers: the battery's imports)
 
 case("misspelt block key", "config", AT_LOAD, ConfigError, "picasso.cache.polcy", "did you mean 'policy'")(
     lambda t: _load_blocks(t, picasso={"cache": {"rows": 10, "polcy": "lru"}}))
@@ -508,17 +508,17 @@ case("jagged lengths that do not add up", "library", AT_CALL, ValueError, "lengt
     lambda t: __import__("picasso_ops.jagged", fromlist=["JaggedBatch"]).JaggedBatch(
         ["a"], __import__("torch").tensor([1, 2]), __import__("torch").tensor([1, 5])))
 case("divergence guard of 0 skipped steps", "library", AT_CALL, ValueError, "--max-skipped-steps 0")(
-    lambda t: __import__("sparse_scale.base.divergence", fromlist=["DivergenceGuard"]).DivergenceGuard(0))
+    lambda t: __import__("sparse_scale.divergence", fromlist=["DivergenceGuard"]).DivergenceGuard(0))
 case("bad-row fraction above 1", "library", AT_CALL, ValueError, "max_bad_fraction must lie in [0, 1], got 2")(
     lambda t: __import__("picasso_ops.data.quality", fromlist=["BadRowTracker"]).BadRowTracker(2))
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
-from sparse_scale.base.atomic_checkpoint import CheckpointError, NoIntactCheckpointError  # noqa: E402
+from sparse_scale.atomic_checkpoint import CheckpointError, NoIntactCheckpointError  # noqa: E402
 
 
 def _verify(folder: Path) -> None:
-    from sparse_scale.base.atomic_checkpoint import verify
+    from sparse_scale.atomic_checkpoint import verify
 
     verify(folder)
 
@@ -555,7 +555,7 @@ def _no_manifest(t: Path) -> None:
 @case("dangling 'latest' beside an intact older step", "checkpoints", RECOVERED, None, "'latest' names 'step9'",
       "resuming from the newest intact checkpoint", "repaired: now names 'step2'")
 def _dangling(t: Path) -> str:
-    from sparse_scale.base.atomic_checkpoint import select
+    from sparse_scale.atomic_checkpoint import select
 
     _checkpoint(t, "step2")
     (t / "ckpt" / "latest").write_text("step9")
@@ -567,7 +567,7 @@ def _dangling(t: Path) -> str:
 @case("every checkpoint broken", "checkpoints", AT_LOAD, NoIntactCheckpointError, "no intact checkpoint in",
       "model.pt has 1 bytes")
 def _none_intact(t: Path) -> None:
-    from sparse_scale.base.atomic_checkpoint import select
+    from sparse_scale.atomic_checkpoint import select
 
     (_checkpoint(t, "step2") / "model.pt").write_bytes(b"x")
     select(t / "ckpt")

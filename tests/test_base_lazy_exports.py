@@ -1,19 +1,19 @@
-"""sparse_scale.base.lazy_exports: a package's names imported from their submodules on first use."""
+"""sparse_core.lazy_exports: a package's names imported from their submodules on first use."""
 import subprocess
 import sys
 
 import pytest
 
-from sparse_scale.base.lazy_exports import lazy_exports
+from sparse_core.lazy_exports import lazy_exports
 
 
 def test_a_name_is_imported_on_first_use_and_bound_into_the_namespace():
     namespace: dict = {}
-    getattr_ = lazy_exports("sparse_scale.base", {"StrictBlock": "blocks"}, namespace)
-    from sparse_scale.base.blocks import StrictBlock
+    getattr_ = lazy_exports("sparse_core", {"StrictBlock": "blocks"}, namespace)
+    from sparse_core.blocks import StrictBlock
 
     assert getattr_("StrictBlock") is StrictBlock and namespace == {"StrictBlock": StrictBlock}
-    with pytest.raises(AttributeError, match="module 'sparse_scale.base' has no attribute 'Missing'"):
+    with pytest.raises(AttributeError, match="module 'sparse_core' has no attribute 'Missing'"):
         getattr_("Missing")
 
 

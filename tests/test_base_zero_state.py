@@ -1,4 +1,4 @@
-"""sparse_scale.base.zero_state on a real 1-process DeepSpeed engine (ZeRO 0, 1, 2; torch's AdamW).
+"""sparse_core.zero_state on a real 1-process DeepSpeed engine (ZeRO 0, 1, 2; torch's AdamW).
 
 Both views of ZeRO's flat partitions are read after two steps: per partition (what GBA's
 hand-over uses) and per parameter (what MoE checkpoints use) must agree with each other and
@@ -44,7 +44,7 @@ def _engine(stage: int, seed: int):
 
 def _per_param(engine) -> dict[str, list]:
     """Every parameter's full fp32 value and moments, through the per-parameter reader."""
-    from sparse_scale.base.zero_state import read_full_param
+    from sparse_core.zero_state import read_full_param
 
     return {key: [read_full_param(engine, p, None if key == "param" else key) for p in engine.module.parameters()]
             for key in ("param", *MOMENTS)}
@@ -53,7 +53,7 @@ def _per_param(engine) -> dict[str, list]:
 def _launch(rank: int, world_size: int) -> dict:
     import deepspeed
 
-    from sparse_scale.base.zero_state import (base_optimizer, bind_partition_state, flat_partitions, gather_flat,
+    from sparse_core.zero_state import (base_optimizer, bind_partition_state, flat_partitions, gather_flat,
                                               is_partitioned, partition_state, step_of, write_param_fragment,
                                               zero_stage)
 

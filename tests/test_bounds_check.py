@@ -13,7 +13,7 @@ from picasso_ops.embedding import PackedEmbeddingCollection, TableSpec
 from picasso_ops.embedding.bounds import BoundsCheck
 from picasso_ops.jagged import JaggedBatch
 from picasso_ops.models import SparseArgs, WideAndDeepArgs, packed_wide_and_deep
-from sparse_scale.base.config_file import ConfigError, validate_model
+from sparse_core.config_file import ConfigError, validate_model
 from sparse_scale.rec.summary import bounds_rows, summary_rows
 
 SPECS = [TableSpec("user", 10, 4, optimizer="sgd", optimizer_params={"lr": 0.5}),

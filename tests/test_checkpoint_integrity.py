@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse_scale.base import atomic_checkpoint as atomic
+from sparse_scale import atomic_checkpoint as atomic
 from sparse_scale.multiproc import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

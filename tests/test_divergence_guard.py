@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse_scale.base.divergence import DivergenceError, DivergenceGuard
+from sparse_scale.divergence import DivergenceError, DivergenceGuard
 from sparse_scale.multiproc import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

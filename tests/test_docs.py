@@ -98,7 +98,7 @@ def test_config_reference_check_fails_on_a_stale_file(tmp_path):
 
 
 def test_config_reference_renders_a_new_field():
-    from sparse_scale.base.blocks import StrictBlock
+    from sparse_core.blocks import StrictBlock
 
     class Inner(StrictBlock):
         """Inner settings."""

@@ -14,7 +14,7 @@ import pytest
 
 from picasso_ops.data import CriteoTSVReader, CTRBatch, DataError, DataSchema, ParquetCTRReader
 from picasso_ops.data.values import DENSE_LIMIT, check_dense
-from sparse_scale.base.config_file import ConfigError
+from sparse_core.config_file import ConfigError
 from tests.test_data_files import M64, assert_same, py_hash, py_mix64, random_rows, to_parquet, write_tsv
 
 ROOT = Path(__file__).resolve().parents[1]

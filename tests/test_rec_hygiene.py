@@ -16,7 +16,7 @@ import torch
 
 from picasso_ops.embedding import PackedEmbeddingCollection
 from picasso_ops.embedding.sparse_optim import LazyAdam, RowUpdate, RowWiseAdagrad, SparseSGD, create_optimizer
-from sparse_scale.base.divergence import EXPLOSION_WINDOW, DivergenceError, DivergenceGuard, bce_entropy
+from sparse_scale.divergence import EXPLOSION_WINDOW, DivergenceError, DivergenceGuard, bce_entropy
 from sparse_scale.multiproc import run_distributed
 from sparse_scale.rec.early_stop import EarlyStopping
 from tests.test_data_files import random_rows, write_tsv

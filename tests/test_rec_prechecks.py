@@ -7,7 +7,7 @@ import pytest
 
 from picasso_ops.data.quality import DataError
 from picasso_ops.data.rows import check_readable
-from sparse_scale.base.config_file import ConfigError, read_config_file, split_config
+from sparse_core.config_file import ConfigError, read_config_file, split_config
 from sparse_scale.rec import cli
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import Straggler

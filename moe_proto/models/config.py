@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, PositiveInt, model_validator
 
-from sparse_scale.base.blocks import StrictBlock
+from sparse_core.blocks import StrictBlock
 
 BYTE_VOCAB = 256  # one token per byte value
 END_OF_DOCUMENT = 256  # the one special token, written between documents

@@ -25,8 +25,8 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, StrictInt, StrictStr, field_validator, model_validator
 
-from sparse_scale.base.blocks import StrictBlock
-from sparse_scale.base.config_file import ConfigError, read_config_file, validate_model
+from sparse_core.blocks import StrictBlock
+from sparse_core.config_file import ConfigError, read_config_file, validate_model
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ command-line edge, which binds ``OpsConfig.from_env(os.environ)``.
 torch serialises builds with a ``lock`` file in that folder and waits for it
 forever; a build killed midway leaves the file behind, and every later build
 hangs (seen on our machines). Before building, :func:`check_lock` looks at the
-lock (``lock_staleness`` of :mod:`sparse_scale.base.jit_build` is the one test of staleness, also used by
+lock (``lock_staleness`` of :mod:`sparse_core.jit_build` is the one test of staleness, also used by
 ``moe_proto.ops`` and ``sparse_scale.prebuild``): each builder writes ``builder.<host>.<pid>`` next to it while it runs, so
 a lock with no live builder on this host that is older than
 ``stale_after_s`` (or whose recorded builder is dead) is stale. A stale lock is
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Optional
 
 from picasso_ops.ops.config import OpsConfig, configure, current_config
-from sparse_scale.base import jit_build
-from sparse_scale.base.jit_build import StaleLockError, cpu_isa_flags, lock_staleness
+from sparse_core import jit_build
+from sparse_core.jit_build import StaleLockError, cpu_isa_flags, lock_staleness
 
 __all__ = [
     "EXTENSION_NAME",

@@ -6,7 +6,7 @@
 
 Layout: ``<ckpt_dir>/step<N>/moe_proto/...`` (reloads at another ep_size),
 ``<ckpt_dir>/step<N>/progress.json`` and ``<ckpt_dir>/latest`` (the tag, written last).
-Saves are staged and committed with a manifest (``sparse_scale.base.atomic_checkpoint``); a
+Saves are staged and committed with a manifest (``sparse_scale.atomic_checkpoint``); a
 resume verifies it and falls back to the newest intact checkpoint with a warning.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sparse_scale.base import atomic_checkpoint as atomic
+from sparse_scale import atomic_checkpoint as atomic
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import argparse
 import logging
 import sys
 
-from sparse_scale.base.atomic_checkpoint import CheckpointError
-from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError
+from sparse_scale.atomic_checkpoint import CheckpointError
+from sparse_scale.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError
 from sparse_scale.distenv import shutdown_distributed
 from sparse_scale.reporting import print_table
 

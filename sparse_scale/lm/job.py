@@ -20,9 +20,9 @@ import torch
 
 from moe_proto.data import ByteCorpus
 from moe_proto.models import MoETransformerLM
-from sparse_scale.base.atomic_checkpoint import latest_checkpoint
-from sparse_scale.base.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError, DivergenceGuard
-from sparse_scale.base.divergence import hint as divergence_hint
+from sparse_scale.atomic_checkpoint import latest_checkpoint
+from sparse_scale.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError, DivergenceGuard
+from sparse_scale.divergence import hint as divergence_hint
 from sparse_scale.distenv import init_distributed
 import sparse_scale
 from sparse_scale.reporting import finish_wandb, setup_wandb_env, wandb_dir
@@ -67,8 +67,8 @@ def run(job: LMJobConfig) -> LMSummary:
     """Train, evaluate on the held-out files and checkpoint; every rank of the launch calls it.
 
     Raises :class:`~sparse_scale.lm.NoCheckpointError` for ``resume=True`` without a checkpoint,
-    :class:`~sparse_scale.base.divergence.DivergenceError` when training diverges (nothing diverged is
-    saved) and :class:`~sparse_scale.base.atomic_checkpoint.CheckpointError` for a full disk or no intact checkpoint.
+    :class:`~sparse_scale.divergence.DivergenceError` when training diverges (nothing diverged is
+    saved) and :class:`~sparse_scale.atomic_checkpoint.CheckpointError` for a full disk or no intact checkpoint.
 
     Example::
 

@@ -15,7 +15,7 @@ CLI's ``--help`` and the config types do not pull in torch.
 """
 from __future__ import annotations
 
-from sparse_scale.base.lazy_exports import lazy_exports
+from sparse_core.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "RecJobConfig": "config",

@@ -1,6 +1,6 @@
 """Checkpoints of a recommender job: the engine's state plus the job's progress and data positions.
 
-Saves are staged and committed with a manifest (``sparse_scale.base.atomic_checkpoint``): a crash
+Saves are staged and committed with a manifest (``sparse_scale.atomic_checkpoint``): a crash
 or a full disk never leaves a half-written ``latest``; a resume verifies the manifest and falls
 back to the newest intact checkpoint with a warning.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from picasso_ops.block import flush_caches
-from sparse_scale.base import atomic_checkpoint as atomic
+from sparse_scale import atomic_checkpoint as atomic
 from sparse_scale.rec.config import RecJobError
 
 if TYPE_CHECKING:  # runtime imports would be circular: streams and engines record Progress

@@ -13,7 +13,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from sparse_scale.base.divergence import DEFAULT_EXPLOSION_FACTOR, DEFAULT_MAX_SKIPPED_STEPS
+from sparse_scale.divergence import DEFAULT_EXPLOSION_FACTOR, DEFAULT_MAX_SKIPPED_STEPS
 from sparse_scale.config import JobConfig, load_config
 from sparse_scale.rec.faults import Crash, Straggler
 
@@ -76,7 +76,7 @@ def _synthetic_error(config: "RecJobConfig", err: Any, model: Any) -> str:
 def _load_schema(source: str, data: str) -> "DataSchema":
     """``--schema``'s data schema (a file or a preset name); refused with synthetic data, errors as RecJobError."""
     from picasso_ops.data.schema import DataSchema
-    from sparse_scale.base.config_file import ConfigError
+    from sparse_core.config_file import ConfigError
 
     if data == "synthetic":
         raise RecJobError(f"--schema {source}: describes the columns of --train-files and --eval-files, and --data "

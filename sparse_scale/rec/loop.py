@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from sparse_scale.base.atomic_checkpoint import latest_checkpoint
-from sparse_scale.base.divergence import DivergenceError, DivergenceGuard, bce_entropy, deepspeed_engine_of
+from sparse_scale.atomic_checkpoint import latest_checkpoint
+from sparse_scale.divergence import DivergenceError, DivergenceGuard, bce_entropy, deepspeed_engine_of
 from sparse_scale.rec import checkpoint
 from sparse_scale.rec import evaluate as evaluation
 from sparse_scale.rec.checkpoint import Progress

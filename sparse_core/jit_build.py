@@ -1,7 +1,7 @@
 """JIT builds of the project's C++ CPU ops: one cache folder per CPU kind, and no build that waits forever.
 
 Shared by ``picasso_ops.ops.builder`` and ``moe_proto.ops`` (the packages may import
-``sparse_scale.base`` and nothing else of each other). Each op library is compiled with
+``sparse_core`` and nothing else of each other). Each op library is compiled with
 ``torch.utils.cpp_extension.load`` into ``<torch extensions root>/<name>-<build key>``,
 the key naming the ``-march`` and, for ``-march=native``, a hash of this CPU's
 instruction-set flags, so a home folder shared by mixed CPUs never loads a build made

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparse_scale.base.atomic_checkpoint import write_latest
+from sparse_scale.atomic_checkpoint import write_latest
 
 DEFAULT_MAX_SKIPPED_STEPS = 20  # DeepSpeed's fp16 loss-scale warm-up skips a handful in a row; 20 is far past it
 DEFAULT_EXPLOSION_FACTOR = 10.0  # a BCE model at 10x the constant predictor's loss is far past any healthy run

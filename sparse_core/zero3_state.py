@@ -1,6 +1,6 @@
 """One reader (and writer) of DeepSpeed's ZeRO stage 3 parameter and optimizer state, per parameter.
 
-The stage 3 neighbour of :mod:`sparse_scale.base.zero_state` (stages 1 and 2): full values in,
+The stage 3 neighbour of :mod:`sparse_core.zero_state` (stages 1 and 2): full values in,
 full values out, one parameter at a time, for per-tensor checkpoints (``moe_proto.checkpoint``
 of ``moe_proto.ZeRO3MoE`` layers).
 
