@@ -112,7 +112,7 @@ memory, `RssAnon` sampled every 2 ms, the file-backed mmap pages excluded). Wide
 cache of {a.cache_rows:,} rows: {table_mb:,.0f} MB of rows and optimizer state. "converted": packed tables built in
 RAM, then copied into the store (`apply_picasso_block`); "straight": each module built into its store
 (`cached_field_embeddings`, what `train_rec.py` does). Same model bit for bit
-(`tests/test_train_rec_picasso.py::test_cache_built_straight_into_the_store_equals_the_converted_packed_model`).
+(`tests/e2e/test_train_rec_picasso.py::test_cache_built_straight_into_the_store_equals_the_converted_packed_model`).
 
 {text}
 """)

@@ -90,7 +90,7 @@ def bind_expert_aware_clipping(engine: Any) -> bool:
     binds a replacement method on this engine instance only (the way
     ``deepspeed.initialize`` binds the optimizer to the engine it returns); the engine
     then clips by :func:`global_grad_norm` and reports that norm. ZeRO 1/2 compute the
-    norm in their optimizer and need nothing (checked in tests/test_moe_deepspeed.py):
+    norm in their optimizer and need nothing (checked in tests/moe_proto/test_deepspeed.py):
     the engine is left untouched. Returns whether the clip was bound.
 
     Example::

@@ -13,7 +13,7 @@ The layer (:class:`moe_proto.MoE`) builds its router from its arguments
 ``moe_proto`` config block becomes a :class:`RouterConfig` through
 :func:`moe_proto.from_block.router_config` (the block names ``k`` ``top_k``). A new routing
 option is one field here plus its check in :meth:`RouterConfig.__post_init__`; the layer's
-constructor must then list it (``tests/test_moe_router.py`` fails until it does).
+constructor must then list it (``tests/moe_proto/test_router.py`` fails until it does).
 
 Example::
 

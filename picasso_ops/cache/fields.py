@@ -8,7 +8,7 @@ buffer), and a :class:`CachedEmbeddingTable` of ``capacity`` rows in front of
 it holds the hot rows and their optimizer state.
 
 The arithmetic is the packed collection's, step for step, so training through
-the cache gives bit-identical weights (``tests/test_train_rec_picasso.py``):
+the cache gives bit-identical weights (``tests/e2e/test_train_rec_picasso.py``):
 
 * forward: one ``embedding_bag`` (sum) over the batch's rows in batch order,
   then ``1 / length`` for mean pooling; evaluation (``eval()`` or no grad)

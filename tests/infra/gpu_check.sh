@@ -18,6 +18,6 @@ log=${OUT:-/tmp}/gpu_check.log
     "$py" -c 'import sys, torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "available",
 torch.cuda.is_available(), "| triton", triton.__version__); sys.exit(0 if torch.cuda.is_available() else 3)' \
         || [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] || { echo "gpu_check: no CUDA device: nothing would run" >&2; exit 3; }
-    timeout "${GPU_CHECK_TIMEOUT_S:-480}" "$py" -m pytest -q -m gpu -rs tests/test_gpu_paths.py
+    timeout "${GPU_CHECK_TIMEOUT_S:-480}" "$py" -m pytest -q -m gpu -rs tests/gpu/test_gpu_paths.py
 } 2>&1 | tee "$log"
 exit "${PIPESTATUS[0]}"
