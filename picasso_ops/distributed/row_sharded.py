@@ -404,6 +404,92 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
         self.discard_pending()
 
 
+    @torch.no_grad()
+    def shard_state(self) -> dict[str, Any]:
+        """This rank's rows of every table and their optimizer state, for a checkpoint (local, no collective).
+
+        ``{"rank": r, "world_size": W, "tables": {"<table>.<key>": tensor}}``: the rows ``r::W`` of each
+        table (no padding row), step counters as they are. :meth:`load_shard_states` reads every rank's
+        back, at this world size or another.
+
+        Example::
+
+            >>> emb = RowShardedEmbeddingCollection([TableSpec("a", 10, 4)])
+            >>> emb.shard_state()["tables"]["a.weight"].shape  # one rank: every row
+            torch.Size([10, 4])
+        """
+        tables: dict[str, Tensor] = {}
+        for spec in self.specs:
+            n = shard_rows(spec.num_embeddings, self.rank, self.world_size)
+            for key, local in self.shard._table_tensors(spec.name).items():
+                tables[f"{spec.name}.{key}"] = local.clone() if local.dim() == 0 else local[:n].clone()
+        return {"rank": self.rank, "world_size": self.world_size, "tables": tables}
+
+    @torch.no_grad()
+    def load_shard_states(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Load the shards :meth:`shard_state` wrote on every rank of a run (local, no collective).
+
+        ``states``: one per rank of the saving run, any order. Saved by as many ranks as now, this
+        rank's own shard is loaded as it was; saved by another number of ranks, the full tables are
+        put together from all shards and this rank takes its rows (``rank::world_size``).
+
+        Example::
+
+            >>> emb.load_shard_states([emb.shard_state()])
+        """
+        if not states:
+            raise ValueError("load_shard_states: no shard states given")
+        saved_world = int(states[0]["world_size"])
+        by_rank = {int(s["rank"]): s for s in states}
+        if sorted(by_rank) != list(range(saved_world)) or any(int(s["world_size"]) != saved_world for s in states):
+            raise ValueError(f"load_shard_states: the shards must come from ranks 0..{saved_world - 1} of one run "
+                             f"of {saved_world} ranks; got ranks {sorted(by_rank)} of world sizes "
+                             f"{sorted({int(s['world_size']) for s in states})}")
+        if saved_world == self.world_size:
+            mine = by_rank[self.rank]["tables"]
+            for spec in self.specs:
+                n = shard_rows(spec.num_embeddings, self.rank, self.world_size)
+                for key, local in self.shard._table_tensors(spec.name).items():
+                    saved = _saved(mine, f"{spec.name}.{key}", self.rank)
+                    if local.dim() == 0:
+                        local.copy_(saved)
+                    else:
+                        _check_shape(saved, (n,) + tuple(local.shape[1:]), f"{spec.name}.{key}", self.rank)
+                        local[:n].copy_(saved)
+            for kernel in self.shard.kernels:
+                kernel.after_load()
+            self.discard_pending()
+            return
+        full: dict[str, Tensor] = {}
+        for spec in self.specs:  # every table put together from the saved shards: id i is on rank i % saved_world
+            for key, local in self.shard._table_tensors(spec.name).items():
+                name = f"{spec.name}.{key}"
+                if local.dim() == 0:
+                    full[name] = _saved(by_rank[0]["tables"], name, 0)
+                    continue
+                out = local.new_empty((spec.num_embeddings,) + tuple(local.shape[1:]))
+                for o in range(saved_world):
+                    part = _saved(by_rank[o]["tables"], name, o)
+                    _check_shape(part, (shard_rows(spec.num_embeddings, o, saved_world),) + tuple(local.shape[1:]),
+                                 name, o)
+                    out[o::saved_world] = part
+                full[name] = out
+        self.load_full_state_dict(full)
+
+
+def _saved(tables: Mapping[str, Tensor], key: str, rank: int) -> Tensor:
+    if key not in tables:
+        raise KeyError(f"the saved shard of rank {rank} has no {key!r} (it has {sorted(tables)[:6]}...): "
+                       "saved by other tables")
+    return tables[key]
+
+
+def _check_shape(saved: Tensor, want: tuple[int, ...], key: str, rank: int) -> None:
+    if tuple(saved.shape) != want:
+        raise ValueError(f"the saved shard of rank {rank}: {key!r} has shape {tuple(saved.shape)}, "
+                         f"this table's shard needs {want}")
+
+
 def _weights(sub: JaggedBatch, dtype: torch.dtype) -> Optional[Tensor]:
     return None if sub.weights is None else sub.weights.to(dtype)
 

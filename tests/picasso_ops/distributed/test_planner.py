@@ -247,8 +247,6 @@ def test_the_rec_job_trains_a_mixed_plan_on_two_ranks(tmp_path):
 
 
 @pytest.mark.soak
-@pytest.mark.xfail(strict=True, reason="the rec job's checkpoint keeps one rank's module state, so row-wise shards of "
-                                       "other ranks do not resume (sharding row_wise alone fails the same way)")
 def test_the_rec_job_resumes_a_mixed_plan_exactly(tmp_path):
     straight = _rec_auto(tmp_path, "straight", 4)
     _rec_auto(tmp_path, "half", 2)
