@@ -51,7 +51,7 @@ from picasso_ops.config import CacheConfig, PicassoConfig
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
 from picasso_ops.embedding.packed import PackedEmbeddingCollection
 from picasso_ops.interleave.forward import InterleavedForward
-from picasso_ops.models.wide_deep import PackedFieldEmbeddings
+from picasso_ops.models.field_embeddings import PackedFieldEmbeddings
 
 __all__ = ["PicassoBlockError", "apply_picasso_block", "bounds_check_summary", "cached_field_embeddings",
            "cached_modules", "flush_caches", "picasso_summary", "monitor_events", "scheduled_sparse_lr",

@@ -108,7 +108,7 @@ def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig,
         return ServerPackedFieldEmbeddings(sizes, dim, pooling, init_std, table_optimizer(block), packing=block.packing,
                                            prefix=prefix, seed=seed)
     from picasso_ops.block import cached_field_embeddings, set_bounds_check
-    from picasso_ops.models.wide_deep import PackedFieldEmbeddings, SparseArgs
+    from picasso_ops.models.field_embeddings import PackedFieldEmbeddings, SparseArgs
 
     sparse = SparseArgs.from_block(block)
     if block.cache is not None:

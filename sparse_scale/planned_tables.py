@@ -28,7 +28,7 @@ from torch import nn
 from picasso_ops.distributed.mixed import MixedEmbeddingCollection
 from picasso_ops.distributed.planner import CostModel, ShardingPlan, plan_tables, resolve_overrides
 from picasso_ops.embedding.spec import TableSpec
-from picasso_ops.models.wide_deep import PackedFieldEmbeddings, SparseArgs
+from picasso_ops.models.field_embeddings import PackedFieldEmbeddings, SparseArgs
 
 __all__ = ["PlannedFieldEmbeddings", "field_specs", "planned_field_embeddings"]
 

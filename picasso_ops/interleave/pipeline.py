@@ -347,7 +347,7 @@ def stages_for(model: nn.Module) -> StagedModel:
     Example::
 
         >>> type(stages_for(packed_wide_and_deep(args, SparseArgs()))).__name__  # doctest: +SKIP
-        'WideAndDeepStages'
+        'EmbedScoreStages'
     """
     if isinstance(model, StageableModel):
         return model.pipeline_stages()

@@ -13,15 +13,9 @@ from picasso_ops.models.deepfm import DeepFM, DeepFMArgs, DenseFields, packed_de
 from picasso_ops.models.dlrm import DLRM, DLRMArgs, packed_dlrm
 from picasso_ops.models.kinds import MODEL_NAMES, build_model, has_first_order, model_args, tower_argument
 from picasso_ops.models.layers import TowerFactory, fm_interaction, mlp_tower
+from picasso_ops.models.field_embeddings import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 from picasso_ops.models.stages import DLRMStages, EmbedScoreStages, WideAndDeepStages
-from picasso_ops.models.wide_deep import (
-    FieldEmbeddings,
-    PackedFieldEmbeddings,
-    SparseArgs,
-    WideAndDeep,
-    WideAndDeepArgs,
-    packed_wide_and_deep,
-)
+from picasso_ops.models.wide_deep import WideAndDeep, WideAndDeepArgs, packed_wide_and_deep
 
 __all__ = [
     "FieldEmbeddings",

@@ -23,7 +23,7 @@ from torch import nn
 from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
 from picasso_ops.models.layers import TowerFactory, check_dropout, mlp_tower
 from picasso_ops.models.stages import EmbedScoreStages
-from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
+from picasso_ops.models.field_embeddings import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 
 __all__ = ["CrossNetwork", "DCNv2", "DCNv2Args", "packed_dcn_v2"]
 

@@ -23,7 +23,7 @@ from torch import nn
 from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
 from picasso_ops.models.layers import TowerFactory, check_dropout, fm_interaction, mlp_tower
 from picasso_ops.models.stages import EmbedScoreStages
-from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
+from picasso_ops.models.field_embeddings import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 
 __all__ = ["DeepFM", "DeepFMArgs", "DenseFields", "packed_deepfm"]
 

@@ -13,15 +13,15 @@ feed the top MLP.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from picasso_ops.contracts import FieldEmbeddingLookup, StageableModel
-from picasso_ops.models.stages import DLRMStages
+from picasso_ops.models.stages import EmbedScoreStages
 from picasso_ops.models.layers import TowerFactory, mlp_tower
-from picasso_ops.models.wide_deep import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
+from picasso_ops.models.field_embeddings import FieldEmbeddings, PackedFieldEmbeddings, SparseArgs
 
 __all__ = ["DLRMArgs", "DLRM", "DotInteraction", "packed_dlrm"]
 
@@ -102,12 +102,19 @@ class DLRM(nn.Module, StageableModel):
         self.top = top_mlp(width) if top_mlp is not None else mlp_tower(width, args.top, dropout=args.dropout)
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        x = self.bottom(dense)  # [B, D]
-        return self.top(self.interaction(x, self.embeddings(values, lengths))).squeeze(-1)
+        return self.score(dense, self.embed(values, lengths))
 
-    def pipeline_stages(self) -> DLRMStages:
-        """This model cut at its embeddings, for ``picasso_ops.interleave`` (same math as :meth:`forward`)."""
-        return DLRMStages(self)
+    def embed(self, values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """``[embeddings [B, F, D]]`` of the field-major batch."""
+        return [self.embeddings(values, lengths)]
+
+    def score(self, dense: torch.Tensor, embedded: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Logits ``[B]`` from the dense features and :meth:`embed`'s output: the model's math, once."""
+        return self.top(self.interaction(self.bottom(dense), embedded[0])).squeeze(-1)
+
+    def pipeline_stages(self) -> EmbedScoreStages:
+        """This model cut between :meth:`embed` and :meth:`score`, for ``picasso_ops.interleave``."""
+        return EmbedScoreStages(self)
 
 
 def packed_dlrm(args: DLRMArgs, sparse: SparseArgs, top_mlp: Optional[TowerFactory] = None) -> DLRM:
