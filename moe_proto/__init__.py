@@ -10,7 +10,7 @@ The submodules' public API is re-exported here: expert parallelism (``parallel``
 expert-aware gradient clipping (``clipping``), topology-free checkpoints (``checkpoint``),
 the ZeRO stage 3 layer class (``zero3``), routing statistics (``stats``) and the reference LM
 (``models``). They are imported eagerly: ``layer`` already needs torch and DeepSpeed, and the
-others add about 20 ms to ``import moe_proto`` (``python -X importtime``).
+others add little to ``import moe_proto`` (check with ``python -X importtime``).
 """
 from .args import MoEArgs
 from .router import Router, RouterConfig

@@ -18,9 +18,8 @@ an ``all_to_all_single`` with mismatched sizes (DeepSpeed #6809). Then:
 
 Received rows stay peer-major: W blocks, block w the rows from peer w for the L local experts in
 expert order, which :class:`moe_proto.experts.GroupedExperts` takes as they lie (``[W, L]`` counts,
-``plan.recv_counts``). Reordering them to local-expert-major and back cost four passes over the
-rows per step (two forward, two backward): 5.4-5.7 ms of a 204 ms top-2 dropless step at
-ep=2 on this project's 2-core Xeon (S=4096, d=256, E=16). Both all-to-alls are autograd functions
+``plan.recv_counts``): reordering them to local-expert-major and back would cost four passes over
+the rows per step (two forward, two backward). Both all-to-alls are autograd functions
 whose backward is the reverse all-to-all. Waits are bounded by the process group's timeout
 (``init_process_group(timeout=...)``).
 

@@ -463,9 +463,8 @@ def _masked_mean(values: Tensor, token_mask: Optional[Tensor]) -> Tensor:
 def _group_softmax(logits_g: Tensor) -> Tensor:
     """Softmax over the last dim of ``[S, P, G]``.
 
-    CPU softmax over a last dim shorter than a vector register is slow (1.7 ms for
-    ``[4096, 2, 8]``, 0.14 ms for ``[4096, 1, 16]``): there the softmax runs over the middle dim
-    of a ``[P, G, S]`` copy (0.1 ms) instead. Results match ``F.softmax`` to within one ulp
+    CPU softmax over a last dim shorter than a vector register is slow, so there the softmax runs
+    over the middle dim of a ``[P, G, S]`` copy instead. Results match ``F.softmax`` to within one ulp
     (not bit for bit: about a fifth of the values differ in the last bit).
     """
     if logits_g.device.type != "cpu" or logits_g.shape[-1] >= 16:
@@ -479,8 +478,8 @@ def _select_topk(logits_g: Tensor, probs_g: Tensor, top_k: int, noise: Optional[
 
     Without noise the probabilities come with the selection (``topk`` values, differentiable
     like the gather they replace), so no second pass over ``probs_g`` is run. For one choice
-    on CPU, fp32 scores go to the C++ ``select_top1`` first (56 us at S=4096, E=16), else ``max``
-    (0.65 vs 1.6 ms for ``topk``, cold cache); both defer to ``topk`` when any row has a tied (or
+    on CPU, fp32 scores go to the C++ ``select_top1`` first, else ``max`` (both faster than
+    ``topk``; benchmarks/RESULTS.md, "MoE layer"); both defer to ``topk`` when any row has a tied (or
     NaN) maximum, where CPU ``topk``'s tie order differs from the lowest index. The result is
     always ``topk``'s.
     """
@@ -521,7 +520,7 @@ def _assign_slots(expert_index: Tensor, eligible: Optional[Tensor], num_experts:
     One stable sort of the S*K routes by expert gives every route its rank in token
     order, which is the answer for every expert within capacity. Only the routes of
     experts over capacity compete, so only they are sorted by priority (a few hundred
-    routes instead of S*K: 0.5 instead of 1.4 ms at S=4096, E=16).
+    routes instead of S*K).
     """
     s, k = expert_index.shape
     ops = load_cpu_ops() if expert_index.device.type == "cpu" and (
