@@ -16,8 +16,6 @@ $(STAMP): setup.py constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,mpi,hf]"
 	$(PY) -m sparse_scale.prebuild
-	$(PY) -m picasso_ops.ops.builder --prebuild
-	$(PY) -m moe_proto.prebuild
 	touch $@
 
 venv: $(STAMP)

@@ -1,16 +1,16 @@
-"""Build moe_proto's C++ CPU ops now, so that no training job or test waits on a JIT build.
+"""Deprecated: ``python -m sparse_scale.prebuild`` builds every C++ op of the project, this library included.
 
-    python -m moe_proto.prebuild            # exit 0 when the library is ready, 1 when it cannot be built
+    python -m moe_proto.prebuild            # still builds moe_proto's library (exit 0 / 1), with a warning
     python -m moe_proto.prebuild --verbose  # with the compiler's commands
 
-A module of its own (not ``python -m moe_proto.ops``): the package imports :mod:`moe_proto.ops`, and running an
-already imported module as ``__main__`` makes Python warn and load it twice.
+Kept for one release so that scripts holding the old command keep working.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import warnings
 from typing import Optional
 
 from sparse_core import jit_build
@@ -26,6 +26,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    warnings.warn("`python -m moe_proto.prebuild` is deprecated and goes in the next release: "
+                  "`python -m sparse_scale.prebuild` builds every C++ op of the project", DeprecationWarning,
+                  stacklevel=2)
     try:
         return 0 if load_cpu_ops(verbose=args.verbose) is not None else 1
     except jit_build.StaleLockError as exc:

@@ -1,6 +1,11 @@
-"""Build DeepSpeed's CPU comm op once, up front, so no test or launch races a JIT build.
+"""Build every C++ op of the project, and DeepSpeed's CPU comm op, up front: no test or launch races a JIT build.
 
-    python -m sparse_scale.prebuild
+    python -m sparse_scale.prebuild            # exit 0 when every op library is ready, 1 when one cannot be built
+    python -m sparse_scale.prebuild --verbose  # with the compiler's commands
+
+The project's one prebuild command. It imports the modules that declare an op library
+(:data:`OP_MODULES`; each registers an :class:`~sparse_core.jit_build.OpLibrary`) and builds every
+registered library with :func:`sparse_core.jit_build.load`, the loader the packages use at run time.
 
 DeepSpeed JIT-builds ``deepspeed_shm_comm`` on the first ``init_distributed`` of a
 multi-rank CPU job (~1 min) into ~/.cache/torch_extensions. A build killed midway
@@ -11,12 +16,14 @@ this edge binds ``picasso_ops.ops.configure(OpsConfig.from_env(os.environ))`` fi
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from sparse_core import jit_build
 from picasso_ops.ops.config import OpsConfig, configure, current_config
@@ -24,6 +31,8 @@ from picasso_ops.ops.config import OpsConfig, configure, current_config
 logger = logging.getLogger(__name__)
 
 STALE_LOCK_S = OpsConfig().stale_lock_s  # no op of ours takes this long to build on 2 cores
+# The modules that declare the project's op libraries (importing one registers its library).
+OP_MODULES = ("picasso_ops.ops.builder", "moe_proto.ops")
 
 
 def extensions_dir() -> Path:
@@ -61,23 +70,62 @@ def clear_stale_locks(root: Path) -> list[Path]:
     return stale
 
 
-def main() -> int:
-    """Remove stale build locks, then build DeepSpeed's shm comm op on CPU (exit 0)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    configure(OpsConfig.from_env(os.environ))
-    root = extensions_dir()
-    clear_stale_locks(root)
+def build_op_libraries(*, verbose: bool = False, modules: Sequence[str] = OP_MODULES) -> list[str]:
+    """Build (or find) every declared op library; returns the names of those that could not be built.
+
+    Imports ``modules`` (each registers its library with :func:`sparse_core.jit_build.register`), then
+    loads every registered library; a failure is logged once by the loader with its reason.
+
+    Example::
+
+        failed = build_op_libraries()   # [] when every library is ready
+    """
+    for name in modules:
+        importlib.import_module(name)
+    failed = []
+    for library in jit_build.registered():
+        if jit_build.load(library, verbose=verbose, clear_stale=True) is None:
+            failed.append(library.name)
+    return failed
+
+
+def build_deepspeed_comm() -> None:
+    """Build DeepSpeed's shm comm op on CPU (nothing to do on CUDA, or where DeepSpeed has none)."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
-        return 0  # CUDA builds use NCCL; nothing to prebuild for the CPU path
+        return  # CUDA builds use NCCL; nothing to prebuild for the CPU path
     ds_builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if ds_builder is None or not ds_builder.is_compatible():
         logger.info("DeepSpeed's shm comm op is not available here; gloo is used without it")
-        return 0
+        return
     t0 = time.monotonic()
     ds_builder.load(verbose=False)
-    logger.info("DeepSpeed shm comm op ready in %s (%.0fs)", root, time.monotonic() - t0)
+    logger.info("DeepSpeed shm comm op ready in %s (%.0fs)", extensions_dir(), time.monotonic() - t0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Remove stale build locks, build every op library of the project and DeepSpeed's shm comm op.
+
+    Exit 0 when all are ready, 1 when an op library of ours could not be built (its reason is logged).
+    The command-line edge: binds ``OpsConfig.from_env(os.environ)`` first.
+    """
+    parser = argparse.ArgumentParser(prog="python -m sparse_scale.prebuild", description=__doc__.split("\n")[0])
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure(OpsConfig.from_env(os.environ))
+    root = extensions_dir()
+    clear_stale_locks(root)
+    try:
+        failed = build_op_libraries(verbose=args.verbose)
+    except jit_build.StaleLockError as exc:
+        logger.error("%s", exc)
+        return 1
+    build_deepspeed_comm()
+    if failed:
+        logger.error("could not build: %s (the reasons are logged above)", ", ".join(failed))
+        return 1
     return 0
 
 

@@ -27,10 +27,15 @@ for, but never longer than it takes its lock to go stale.
 A machine without a compiler (or where the build fails) gets the pure-torch
 reference ops, with one warning.
 
-Prebuild, as DeepSpeed's op builders allow (e.g. in a Docker image or before a
-multi-rank launch, so ranks do not race to compile)::
+The library is declared once as :data:`LIBRARY` (an :class:`~sparse_core.jit_build.OpLibrary`) and
+loaded by :func:`sparse_core.jit_build.load`, the project's one loader. Prebuild every op of the
+project, as DeepSpeed's op builders allow (e.g. in a Docker image or before a multi-rank launch, so
+ranks do not race to compile)::
 
-    python -m picasso_ops.ops.builder --prebuild
+    python -m sparse_scale.prebuild
+
+(``python -m picasso_ops.ops.builder --prebuild``, the old command, still builds this library, with a
+deprecation warning.)
 
 Example::
 
@@ -44,10 +49,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
-import threading
-import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -64,6 +67,8 @@ __all__ = [
     "cpu_isa_flags",
     "check_lock",
     "lock_staleness",
+    "LIBRARY",
+    "build_settings",
     "load_ops",
     "ops_available",
     "reset",
@@ -82,8 +87,30 @@ SOURCES: tuple[Path, ...] = (
 # a cold build of the three files takes 1-3 minutes on a busy 2-core box; 10 leaves a wide margin
 DEFAULT_STALE_AFTER_S = OpsConfig().stale_lock_s
 
-_lock = threading.Lock()
-_state: dict[str, object] = {"loaded": False, "failed": None}
+
+
+def build_settings(config: Optional[OpsConfig] = None) -> jit_build.BuildSettings:
+    """The :class:`~sparse_core.jit_build.BuildSettings` of ``config`` (default: the bound :class:`OpsConfig`).
+
+    Example::
+
+        >>> build_settings(OpsConfig(march="x86-64-v2", use_cpp=False)).disabled is not None
+        True
+    """
+    config = current_config() if config is None else config
+    disabled = None if config.use_cpp else \
+        "the C++ ops are turned off (OpsConfig.use_cpp is False, e.g. PICASSO_OPS_DISABLE_CPP is set)"
+    return jit_build.BuildSettings(march=config.march, cxx=config.cxx,
+                                   root=None if config.extensions_dir is None else Path(config.extensions_dir),
+                                   stale_after_s=config.stale_lock_s, disabled=disabled)
+
+
+# -fopenmp: at::parallel_for is inlined into our code and uses torch's OpenMP runtime; -march from OpsConfig.march
+LIBRARY = jit_build.register(jit_build.OpLibrary(
+    name=EXTENSION_NAME, package="picasso_ops", sources=SOURCES, cflags=("-O3", "-fopenmp"), ldflags=("-fopenmp",),
+    is_python_module=False, fallback="using the slower pure-torch reference ops", settings=build_settings,
+), declared_by=__name__)
+_state = jit_build.load_state(LIBRARY)  # {"module", "failed"}: this process's load, shared with the loader
 
 
 def build_key(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None) -> str:
@@ -97,7 +124,7 @@ def build_key(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None)
         'native-'
     """
     march = (current_config() if config is None else config).march
-    return jit_build.build_key(march, cpu_isa_flags(cpuinfo) if march == "native" else ())
+    return jit_build.build_key(march, jit_build.cpu_isa_flags(cpuinfo) if march == "native" else ())
 
 
 def build_directory(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] = None) -> Path:
@@ -112,9 +139,7 @@ def build_directory(config: Optional[OpsConfig] = None, cpuinfo: Optional[str] =
         >>> str(build_directory(OpsConfig(extensions_dir="/tmp/ext", march="")))
         '/tmp/ext/picasso_ops_cpu-generic'
     """
-    root = (current_config() if config is None else config).extensions_dir
-    root = jit_build.extensions_root() if root is None else Path(root)
-    return root / f"{EXTENSION_NAME}-{build_key(config, cpuinfo)}"
+    return LIBRARY.directory(build_settings(config), cpuinfo)
 
 
 def check_lock(
@@ -142,38 +167,16 @@ def check_lock(
                          extension=EXTENSION_NAME, log=logger)
 
 
-def _compiler(config: OpsConfig) -> Optional[str]:
-    return shutil.which(config.cxx)
-
-
-def _flags(config: OpsConfig) -> list[str]:
-    # -fopenmp: at::parallel_for is inlined into our code and uses torch's OpenMP runtime
-    flags = ["-O3", "-fopenmp"]
-    # -march=native as DeepSpeed's CPU ops do; OpsConfig.march = "x86-64-v2" (or "") for images built elsewhere
-    march = config.march
-    if march:
-        flags.append(f"-march={march}")
-    return flags
-
-
-def _build(verbose: bool, stale_after_s: float, clear_stale: bool, config: Optional[OpsConfig] = None) -> None:
-    config = current_config() if config is None else config
-    jit_build.build_extension(name=EXTENSION_NAME, sources=[str(s) for s in SOURCES],
-                              directory=build_directory(config), extra_cflags=_flags(config),
-                              extra_ldflags=["-fopenmp"], stale_after_s=stale_after_s, clear_stale=clear_stale,
-                              verbose=verbose, is_python_module=False, log=logger)
-
-
 def load_ops(
     *, verbose: bool = False, stale_after_s: Optional[float] = None, clear_stale: bool = True
 ) -> bool:
     """Build (or load the cached build of) the C++ ops once per process; ``True`` when they are usable.
 
-    Builds with the bound :class:`OpsConfig` (``stale_after_s`` defaults to its
-    ``stale_lock_s``). On failure (no compiler, compile error,
-    ``OpsConfig.use_cpp`` false) logs one warning and returns ``False`` from then on; callers use the reference
-    path. A :class:`StaleLockError` (``clear_stale=False``) is raised, not
-    swallowed, since the user must act on it.
+    :func:`sparse_core.jit_build.load` of :data:`LIBRARY` with the bound :class:`OpsConfig`
+    (``stale_after_s`` defaults to its ``stale_lock_s``). On failure (no compiler, compile error,
+    ``OpsConfig.use_cpp`` false) logs one warning and returns ``False`` from then on; callers use the
+    reference path. A :class:`StaleLockError` (``clear_stale=False``) is raised, not swallowed, since the
+    user must act on it.
 
     Example::
 
@@ -181,58 +184,24 @@ def load_ops(
         True
         >>> torch.ops.picasso.packed_lookup  # doctest: +SKIP
     """
-    if _state["loaded"]:
-        return True
-    if _state["failed"] is not None:
-        return False
-    with _lock:
-        if _state["loaded"] or _state["failed"] is not None:
-            return bool(_state["loaded"])
-        reason = None
-        config = current_config()
-        if not config.use_cpp:
-            reason = "the C++ ops are turned off (OpsConfig.use_cpp is False, e.g. PICASSO_OPS_DISABLE_CPP is set)"
-        elif _compiler(config) is None:
-            reason = f"no C++ compiler ({config.cxx!r} is not on PATH)"
-        else:
-            started = time.perf_counter()
-            stale_s = config.stale_lock_s if stale_after_s is None else stale_after_s
-            try:
-                _build(verbose, stale_s, clear_stale, config)
-            except StaleLockError:
-                raise
-            except Exception as exc:  # a broken toolchain must not stop training: fall back, once, loudly
-                reason = f"building the C++ ops failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
-            else:
-                logger.info("picasso C++ ops ready in %.1f s (%s)", time.perf_counter() - started,
-                            build_directory(config))
-        if reason is not None:
-            _state["failed"] = reason
-            logger.warning(
-                "picasso_ops: C++ CPU ops unavailable, using the slower pure-torch reference ops. Reason: %s. "
-                "Fix: install g++ and ninja, then run `python -m picasso_ops.ops.builder --prebuild`.",
-                reason,
-            )
-            return False
-        _state["loaded"] = True
-        return True
+    return jit_build.load(LIBRARY, verbose=verbose, clear_stale=clear_stale, stale_after_s=stale_after_s) is not None
 
 
 def ops_available() -> bool:
     """Whether ``torch.ops.picasso`` CPU kernels are loaded (does not trigger a build)."""
-    return bool(_state["loaded"])
+    return jit_build.loaded(LIBRARY)
 
 
 def reset() -> None:
     """Forget a failed build so the next :func:`load_ops` tries again (tests, or after installing a compiler)."""
-    with _lock:
-        _state["failed"] = None
+    jit_build.forget_failure(LIBRARY)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m picasso_ops.ops.builder --prebuild``: build now, report where, exit 1 on failure.
+    """``python -m picasso_ops.ops.builder --prebuild`` (deprecated: ``python -m sparse_scale.prebuild``).
 
-    The command-line edge: binds ``OpsConfig.from_env(os.environ)`` before anything else.
+    Builds this library now, reports where, exits 1 on failure. The command-line edge: binds
+    ``OpsConfig.from_env(os.environ)`` before anything else.
     """
     parser = argparse.ArgumentParser(prog="python -m picasso_ops.ops.builder", description=__doc__.split("\n")[0])
     parser.add_argument("--prebuild", action="store_true", help="compile the C++ ops into the torch extensions cache")
@@ -241,6 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    warnings.warn("`python -m picasso_ops.ops.builder` is deprecated and goes in the next release: "
+                  "`python -m sparse_scale.prebuild` builds every C++ op of the project", DeprecationWarning,
+                  stacklevel=2)
     configure(OpsConfig.from_env(os.environ))
     if args.check_lock:
         try:

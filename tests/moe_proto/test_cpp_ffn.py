@@ -173,7 +173,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
             assert y.grad_fn.name().startswith("_FusedExpertFFN")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "simulated" in warnings[0].getMessage()
-    assert "python -m moe_proto.prebuild" in warnings[0].getMessage()
+    assert "python -m sparse_scale.prebuild" in warnings[0].getMessage()
 
 
 def test_the_build_folder_is_keyed_by_cpu_kind(tmp_path):
@@ -280,9 +280,10 @@ def test_layer_gradients_equal_without_the_cpp_library(cpp, monkeypatch, k):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_prebuild_command_builds_or_finds_the_library_without_warnings(cpp):
-    """`python -m moe_proto.prebuild` (what `make venv` runs): exit 0 with the library ready, and no runpy
-    warning about a module run twice (the old `python -m moe_proto.ops --prebuild` printed one)."""
+def test_the_old_prebuild_command_still_builds_with_a_deprecation_warning(cpp):
+    """`python -m moe_proto.prebuild` (the old command; `python -m sparse_scale.prebuild` is the one now): exit 0
+    with the library ready, a DeprecationWarning naming the new command, and no runpy warning about a module run
+    twice (the older `python -m moe_proto.ops --prebuild` printed one, and now names the new command)."""
     import subprocess
     import sys
 
@@ -290,7 +291,8 @@ def test_prebuild_command_builds_or_finds_the_library_without_warnings(cpp):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "RuntimeWarning" not in done.stderr
+    assert "DeprecationWarning" in done.stderr and "python -m sparse_scale.prebuild" in done.stderr
     assert "moe_proto C++ CPU ops ready" in done.stderr
     old = subprocess.run([sys.executable, "-m", "moe_proto.ops", "--prebuild"], capture_output=True, text=True,
                          timeout=120)
-    assert old.returncode == 1 and "python -m moe_proto.prebuild" in old.stderr  # not a silent exit 0
+    assert old.returncode == 1 and "python -m sparse_scale.prebuild" in old.stderr  # not a silent exit 0

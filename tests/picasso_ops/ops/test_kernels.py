@@ -14,6 +14,7 @@ import torch
 from picasso_ops import ops
 from picasso_ops.embedding.sparse_optim import RowUpdate, create_optimizer
 from picasso_ops.ops import OpsConfig, builder, reference
+from sparse_core import jit_build
 
 HYPER = {
     "sgd": {"lr": 0.1},
@@ -449,7 +450,7 @@ def test_build_clears_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch,
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    builder._build(verbose=False, stale_after_s=60, clear_stale=True)
+    jit_build.build(builder.LIBRARY, stale_after_s=60, clear_stale=True)
     assert seen["lock_exists"] is False and seen["build_directory"] == str(directory)
     assert seen["markers"] == [f"builder.{socket.gethostname()}.{os.getpid()}"]
     assert not list(directory.glob("builder.*"))  # marker removed after the build
@@ -478,26 +479,26 @@ def test_native_builds_are_cached_per_cpu_kind(tmp_path):
 def test_build_goes_to_this_cpus_folder(tmp_path, monkeypatch, bind_config):
     """The real build path compiles into the folder keyed by this CPU's flags, not a shared one."""
     bind_config(OpsConfig(extensions_dir=str(tmp_path), march="native"))
-    monkeypatch.setattr(builder, "cpu_isa_flags", lambda cpuinfo=None: ("fpu", "sse2", "avx2"))
+    monkeypatch.setattr(jit_build, "cpu_isa_flags", lambda cpuinfo=None: ("fpu", "sse2", "avx2"))
     seen = {}
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: seen.update(kwargs))
-    builder._build(verbose=False, stale_after_s=60, clear_stale=True)
+    jit_build.build(builder.LIBRARY, stale_after_s=60, clear_stale=True)
     first = seen["build_directory"]
-    monkeypatch.setattr(builder, "cpu_isa_flags", lambda cpuinfo=None: ("fpu", "sse2", "avx2", "avx512f"))
-    builder._build(verbose=False, stale_after_s=60, clear_stale=True)
+    monkeypatch.setattr(jit_build, "cpu_isa_flags", lambda cpuinfo=None: ("fpu", "sse2", "avx2", "avx512f"))
+    jit_build.build(builder.LIBRARY, stale_after_s=60, clear_stale=True)
     assert seen["build_directory"] != first and "-march=native" in seen["extra_cflags"]
 
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setitem(builder._state, "loaded", False)
+    monkeypatch.setitem(builder._state, "module", None)
     monkeypatch.setitem(builder._state, "failed", None)
 
     def broken_build(*args, **kwargs):
         raise RuntimeError("simulated: error: command 'c++' failed: No such file or directory")
 
-    monkeypatch.setattr(builder, "_build", broken_build)
+    monkeypatch.setattr(jit_build, "build", broken_build)
     case, _ = make_case(8, weighted=True, mean=True)
     want = _lookup(case, torch.zeros(5, case["out_width"]), "reference")
     with caplog.at_level(logging.WARNING):
@@ -507,17 +508,18 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
             ops.HashTable(4).insert(torch.tensor([1]))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "reference" in r.getMessage()]
     assert len(warnings) == 1
-    assert "simulated" in warnings[0].getMessage() and "--prebuild" in warnings[0].getMessage()
+    assert "simulated" in warnings[0].getMessage()
+    assert "python -m sparse_scale.prebuild" in warnings[0].getMessage()
     assert ops.select_backend(torch.device("cpu")) == "reference"
     with pytest.raises(RuntimeError, match="could not be built"):
         ops.select_backend(torch.device("cpu"), backend="cpp")
 
 
 def test_missing_compiler_detected_without_building(monkeypatch, caplog, bind_config):
-    monkeypatch.setitem(builder._state, "loaded", False)
+    monkeypatch.setitem(builder._state, "module", None)
     monkeypatch.setitem(builder._state, "failed", None)
     bind_config(OpsConfig(cxx="no-such-compiler-xyz"))
-    monkeypatch.setattr(builder, "_build", lambda *a, **k: pytest.fail("must not try to build without a compiler"))
+    monkeypatch.setattr(jit_build, "build", lambda *a, **k: pytest.fail("must not try to build without a compiler"))
     with caplog.at_level(logging.WARNING):
         assert builder.load_ops() is False
         assert builder.load_ops() is False
@@ -543,10 +545,10 @@ def test_cuda_tensors_choose_triton_when_importable(monkeypatch, caplog, bind_co
 
 
 def test_disabled_cpp_never_builds(monkeypatch, caplog, bind_config):
-    monkeypatch.setitem(builder._state, "loaded", False)
+    monkeypatch.setitem(builder._state, "module", None)
     monkeypatch.setitem(builder._state, "failed", None)
     bind_config(OpsConfig(use_cpp=False))
-    monkeypatch.setattr(builder, "_build", lambda *a, **k: pytest.fail("use_cpp=False must not build"))
+    monkeypatch.setattr(jit_build, "build", lambda *a, **k: pytest.fail("use_cpp=False must not build"))
     with caplog.at_level(logging.WARNING):
         assert builder.load_ops() is False
     assert ops.select_backend(torch.device("cpu")) == "reference"
@@ -554,8 +556,8 @@ def test_disabled_cpp_never_builds(monkeypatch, caplog, bind_config):
 
 
 def test_flags_and_lock_age_come_from_the_bound_config(tmp_path, bind_config):
-    assert builder._flags(OpsConfig()) == ["-O3", "-fopenmp", "-march=native"]
-    assert builder._flags(OpsConfig(march="")) == ["-O3", "-fopenmp"]
+    assert builder.LIBRARY.flags(builder.build_settings(OpsConfig())) == ["-O3", "-fopenmp", "-march=native"]
+    assert builder.LIBRARY.flags(builder.build_settings(OpsConfig(march=""))) == ["-O3", "-fopenmp"]
     lock = tmp_path / "lock"
     lock.touch()
     _old(lock, 120)
