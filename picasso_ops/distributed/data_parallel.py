@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -50,10 +51,26 @@ from picasso_ops.distributed.comm import (
 )
 from picasso_ops.embedding.packed import PackedEmbeddingCollection
 from picasso_ops.embedding.spec import TableSpec
+from picasso_ops.jagged import JaggedBatch
 
-__all__ = ["DataParallelEmbeddingCollection", "take_pending", "apply_rows", "apply_to_packed"]
+__all__ = ["DataParallelEmbeddingCollection", "PackUnion", "take_pending", "apply_rows", "apply_to_packed"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PackUnion:
+    """One pack's rows of one batch on every rank, known before its backward (a sparse-dist pipeline).
+
+    ``local``: this rank's distinct buffer rows (ascending), what its backward will store;
+    ``rows``/``inverse``: ``torch.unique`` (sorted, with inverse) of every rank's ``local`` concatenated
+    in rank order: what :meth:`DataParallelEmbeddingCollection.sparse_step` would compute from the
+    gathered rows, so the step skips that dedup.
+    """
+
+    local: Tensor
+    rows: Tensor
+    inverse: Tensor
 
 
 def take_pending(kernel: Any) -> tuple[bool, Tensor, Tensor]:
@@ -132,6 +149,8 @@ class DataParallelEmbeddingCollection(PackedEmbeddingCollection, SparseStepModul
         self.process_group = process_group
         for kernel in self.kernels:
             kernel._defer = True
+        self._prepared: list[list[Optional[PackUnion]]] = []  # per forward since the last step (a pipeline's)
+        self.prepared_steps = 0  # pack steps served by a union prepared ahead (their gathered rows not deduped)
         self.broadcast_tables()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "DataParallelEmbeddingCollection":
@@ -174,9 +193,14 @@ class DataParallelEmbeddingCollection(PackedEmbeddingCollection, SparseStepModul
         """
         rank, world = world_info(self.process_group)
         local = [take_pending(kernel) for kernel in self.kernels]
+        prepared, self._prepared = self._prepared, []
+        # a union prepared ahead serves a step of one forward whose rows it names (else the gathered rows are deduped)
+        unions = prepared[0] if len(prepared) == 1 else [None] * len(self.kernels)
+        known = [u is not None and torch.equal(rows, u.local) for u, (_, rows, _) in zip(unions, local)]
         device = self.kernels[0].weight.device  # NCCL needs the counts on the GPU too
-        meta = torch.tensor([[rows.numel(), int(ran)] for ran, rows, _ in local], dtype=torch.int64, device=device)
-        meta = meta.view(-1, 2)
+        meta = torch.tensor([[rows.numel(), int(ran), int(k)] for (ran, rows, _), k in zip(local, known)],
+                            dtype=torch.int64, device=device)
+        meta = meta.view(-1, 3)
         if world > 1:
             metas = [torch.empty_like(meta) for _ in range(world)]
             torch.distributed.all_gather(metas, meta, group=self.process_group)
@@ -185,17 +209,83 @@ class DataParallelEmbeddingCollection(PackedEmbeddingCollection, SparseStepModul
             all_meta = meta.unsqueeze(0)
         counts = all_meta[:, :, 0].tolist()  # one host read for every pack
         ran_any = all_meta[:, :, 1].amax(0).tolist()
+        all_known = all_meta[:, :, 2].amin(0).tolist()
         scale = grad_scale / world
         for pi, (kernel, (_, rows, grads)) in enumerate(zip(self.kernels, local)):
             if not ran_any[pi]:
                 continue  # no rank ran this pack's backward: no step, as in a single process
             pack_counts = [c[pi] for c in counts]
-            if world > 1:
+            union = unions[pi]
+            if world > 1 and all_known[pi] and union is not None:  # every rank's rows known: gradients only
+                gathered = all_gather_varsize(grads, pack_counts, self.process_group)
+                rows = union.rows
+                grads = gathered.new_zeros(rows.numel(), gathered.shape[1])
+                grads.index_add_(0, union.inverse, gathered)  # as coalesce_rows: the same sum in the same order
+                self.prepared_steps += 1
+            elif world > 1:
                 gathered = all_gather_varsize(pack_rows(rows, grads), pack_counts, self.process_group)
                 rows, grads = coalesce_rows(*unpack_rows(gathered, kernel.width))
             apply_rows(kernel, rows, grads * scale)
 
     def discard_pending(self) -> None:
         """Drop the stored row gradients without a step (e.g. after an fp16 overflow); local, no collective."""
+        self._prepared = []
         for kernel in self.kernels:
             kernel.discard_pending()
+
+    # ---------------------------------------------------------- pipelining
+    @torch.no_grad()
+    def local_rows(self, batch: JaggedBatch) -> Optional[list[Tensor]]:
+        """Per pack, the distinct buffer rows ``batch``'s backward will touch on this rank (local, no collective).
+
+        ``None`` where it cannot be known ahead without side effects: ``bounds_check`` other than
+        ``"fatal"`` (the lookup counts replaced ids) or an id out of range (the forward reports it).
+        """
+        if self.bounds_check != "fatal":
+            return None
+        keys = tuple(self.pooled_features) + tuple(self.sequence_features)
+        if tuple(batch.keys) != keys:  # the batch the forward sees (its cached field map stays the forward's)
+            batch = batch.select(keys)
+        try:
+            out = []
+            for kernel, (columns, first_field) in zip(self.kernels, self._batch_fields(batch)):
+                plan = kernel._torch_plan(kernel.prepare(batch, columns, first_field))
+                out.append(torch.unique(plan.indices.long(), sorted=True))
+            return out
+        except (IndexError, KeyError):
+            return None
+
+    @torch.no_grad()
+    def exchange_rows(self, local: Optional[list[Tensor]], group: Optional[ProcessGroup]) -> list[Optional[PackUnion]]:
+        """Every rank's :meth:`local_rows` over ``group`` (a collective, even with ``local`` None): each pack's union.
+
+        Example::
+
+            >>> unions = emb.exchange_rows(emb.local_rows(next_batch), pipeline_group)  # while a batch trains
+            >>> emb.arm(unions); emb(next_batch).values.sum().backward(); emb.sparse_step()
+        """
+        _, world = world_info(group)
+        packs = len(self.kernels)
+        mine = [-1] * packs if local is None else [int(r.numel()) for r in local]
+        device = self.kernels[0].weight.device
+        meta = torch.tensor(mine, dtype=torch.int64, device=device)
+        if world > 1:
+            metas = [torch.empty_like(meta) for _ in range(world)]
+            torch.distributed.all_gather(metas, meta, group=group)
+            counts = torch.stack(metas).tolist()  # [world, packs]
+        else:
+            counts = [mine]
+        if any(c < 0 for row in counts for c in row):
+            return [None] * packs  # some rank cannot know its rows ahead: the step dedups as usual
+        assert local is not None
+        out: list[Optional[PackUnion]] = []
+        for pi in range(packs):
+            pack_counts = [row[pi] for row in counts]
+            everyone = all_gather_varsize(local[pi], pack_counts, group) if world > 1 else local[pi]
+            rows, inverse = torch.unique(everyone, sorted=True, return_inverse=True)
+            out.append(PackUnion(local[pi], rows, inverse))
+        return out
+
+    def arm(self, unions: list[Optional[PackUnion]]) -> None:
+        """Record the unions of the forward about to run; the sparse step uses them if its step had that forward only."""
+        self._prepared.append(unions)

@@ -77,7 +77,7 @@ from picasso_ops.embedding.packed import KeyedEmbeddings, PackedEmbeddingCollect
 from picasso_ops.embedding.spec import TableSpec
 from picasso_ops.jagged import JaggedBatch
 
-__all__ = ["RowShardedEmbeddingCollection", "shard_rows"]
+__all__ = ["RowShardedEmbeddingCollection", "PreparedLookup", "shard_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,21 @@ class _PackPlan:
     recv_counts: list[int]  # ids received from each requester
     send_rows: Tensor  # [U] owner-local buffer rows, grouped by owner
     recv_rows: Optional[Tensor] = None  # [R] rows of this rank's shard that were requested
+    rows: Optional[Tensor] = None  # [U, D] the rows, fetched ahead by a pipeline (taken by the forward)
+
+
+@dataclass
+class PreparedLookup:
+    """One batch's exchange done ahead of its forward (a sparse-dist pipeline): per pack, its ids and rows.
+
+    Built by :meth:`RowShardedEmbeddingCollection.prepare_ids` (ids deduplicated and sent to their owners)
+    and completed by :meth:`RowShardedEmbeddingCollection.fetch_prepared` (the rows sent back), both on a
+    process group of their own; :meth:`RowShardedEmbeddingCollection.arm` hands it to the next forward.
+    """
+
+    subs: list[JaggedBatch]  # per pack: the pack's fields of the batch
+    plans: list[_PackPlan]
+    inverses: list[Tensor]  # per pack: each id's slot among the unique rows
 
 
 @dataclass
@@ -205,6 +220,7 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
         self._columns: Optional[Tensor] = (None if perm == list(range(len(perm)))
                                            else torch.tensor(perm, dtype=torch.long, device=device))
         self._pending: list[list[tuple[_PackPlan, Tensor]]] = [[] for _ in self.shard.kernels]
+        self._armed: Optional[PreparedLookup] = None  # taken by the next training forward
         self.reset_parameters()
 
     # ------------------------------------------------------------ parameters
@@ -255,26 +271,26 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
             torch.Size([2, 8])
         """
         B = batch.batch_size
-        subs, plans, inverses = [], [], []
-        for layout in self._layouts:
-            sub = batch.select(layout.features)
-            plan, inverse = self._plan(layout, sub)
-            subs.append(sub)
-            plans.append(plan)
-            inverses.append(inverse)
-        W = self.world_size
-        device = batch.values.device
-        send = torch.tensor([p.send_counts for p in plans], dtype=torch.int64, device=device).view(-1, W)  # [P, W]
-        if W > 1:
-            recv = all_to_all_varsize(send.t().contiguous(), [1] * W, [1] * W, self.process_group).t()
-        else:
-            recv = send
-        recv_counts = recv.tolist()  # one host read for every pack
         training = torch.is_grad_enabled()
+        armed = self._armed if training else None  # an evaluation's forward leaves a training batch's lookup armed
+        if training:
+            self._armed = None
+        if armed is not None:  # ids (and rows) exchanged ahead by a pipeline: check it is this batch
+            subs, plans, inverses = armed.subs, armed.plans, armed.inverses
+            for layout, prepared in zip(self._layouts, subs):
+                sub = batch.select(layout.features)
+                same_weights = (sub.weights is None and prepared.weights is None) or (
+                    sub.weights is not None and prepared.weights is not None
+                    and torch.equal(sub.weights, prepared.weights))
+                if not (same_weights and torch.equal(sub.lengths, prepared.lengths)
+                        and torch.equal(sub.values, prepared.values)):
+                    raise RuntimeError(f"rank {self.rank}: the lookup prepared ahead is of another batch than the "
+                                       "forward's (a pipeline out of step with the training loop)")
+        else:
+            subs, plans, inverses = self._plan_batch(batch, self.process_group)
         anchor = torch.empty(0, requires_grad=True) if training else None
         blocks: list[Tensor] = []
         for pi, (layout, sub, plan, inverse) in enumerate(zip(self._layouts, subs, plans, inverses)):
-            plan.recv_counts = recv_counts[pi]
             if training:
                 rows = _RemoteRows.apply(anchor, self, pi, plan)
             else:
@@ -296,6 +312,73 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
         if self._columns is not None:  # packs' features -> pooled_features order
             values = values.index_select(1, self._columns.to(values.device))
         return KeyedEmbeddings(self.pooled_features, values, self.column_offsets, {})
+
+    def _plan_batch(self, batch: JaggedBatch,
+                    group: Optional[ProcessGroup]) -> tuple[list[JaggedBatch], list[_PackPlan], list[Tensor]]:
+        """Every pack's dedup per owner and the exchange of the counts over ``group`` (each plan's ``recv_counts``)."""
+        planned = self.plan_ids(batch)
+        self._exchange_counts(planned.plans, batch.values.device, group)
+        return planned.subs, planned.plans, planned.inverses
+
+    def plan_ids(self, batch: JaggedBatch) -> PreparedLookup:
+        """Every pack's ids deduplicated per owner (local, no collective); an id out of range is an ``IndexError``."""
+        subs, plans, inverses = [], [], []
+        for layout in self._layouts:
+            sub = batch.select(layout.features)
+            plan, inverse = self._plan(layout, sub)
+            subs.append(sub)
+            plans.append(plan)
+            inverses.append(inverse)
+        return PreparedLookup(subs, plans, inverses)
+
+    def _exchange_counts(self, plans: list[_PackPlan], device: torch.device, group: Optional[ProcessGroup]) -> None:
+        W = self.world_size
+        send = torch.tensor([p.send_counts for p in plans], dtype=torch.int64, device=device).view(-1, W)  # [P, W]
+        recv = all_to_all_varsize(send.t().contiguous(), [1] * W, [1] * W, group).t() if W > 1 else send
+        for plan, counts in zip(plans, recv.tolist()):  # one host read for every pack
+            plan.recv_counts = counts
+
+    # ---------------------------------------------------------- pipelining
+    @torch.no_grad()
+    def prepare_ids(self, batch: JaggedBatch, group: Optional[ProcessGroup]) -> PreparedLookup:
+        """A batch's ids deduplicated per owner and sent to the owners over ``group``, ahead of its forward.
+
+        A collective over ``group`` (every rank, the same batches in the same order); reads no rows, so
+        it may run while another batch trains. :meth:`fetch_prepared` then fetches the rows, once the
+        tables are as the forward will see them.
+
+        Example::
+
+            >>> prepared = emb.prepare_ids(next_batch, pipeline_group)   # while this batch trains
+            >>> emb.fetch_prepared(prepared, pipeline_group)              # after this batch's sparse step
+            >>> emb.arm(prepared); out = emb(next_batch)                  # no exchange in the forward
+        """
+        return self.exchange_ids(self.plan_ids(batch), group)
+
+    @torch.no_grad()
+    def exchange_ids(self, planned: PreparedLookup, group: Optional[ProcessGroup]) -> PreparedLookup:
+        """The collective half of :meth:`prepare_ids`: counts and ids of :meth:`plan_ids`' result to the owners."""
+        device = planned.subs[0].values.device if planned.subs else torch.device("cpu")
+        self._exchange_counts(planned.plans, device, group)
+        for plan in planned.plans:
+            plan.recv_rows = all_to_all_varsize(plan.send_rows, plan.send_counts, plan.recv_counts, group)
+        return planned
+
+    @torch.no_grad()
+    def fetch_prepared(self, prepared: PreparedLookup, group: Optional[ProcessGroup]) -> None:
+        """The owners send the prepared batch's rows back over ``group`` (a collective): the rows as they are now.
+
+        Call it after the last sparse step before the prepared batch's forward: rows fetched earlier
+        would miss that step's update.
+        """
+        for pi, plan in enumerate(prepared.plans):
+            assert plan.recv_rows is not None
+            local = self.shard.kernels[pi].weight.index_select(0, plan.recv_rows)
+            plan.rows = all_to_all_varsize(local, plan.recv_counts, plan.send_counts, group)
+
+    def arm(self, prepared: Optional[PreparedLookup]) -> None:
+        """Hand ``prepared`` to the next training forward (which checks that it is of its batch); ``None`` disarms."""
+        self._armed = prepared
 
     def _plan(self, layout: _PackLayout, sub: JaggedBatch) -> tuple[_PackPlan, Tensor]:
         """Owner and owner-local row of each id, deduplicated per owner (sorted by owner); and each id's unique slot."""
@@ -323,7 +406,10 @@ class RowShardedEmbeddingCollection(nn.Module, SparseStepModule):
         return plan, inverse
 
     def _fetch(self, pack: int, plan: _PackPlan) -> Tensor:
-        """Ids to owners, rows back: ``[U, D]`` in the order of ``plan.send_rows``."""
+        """Ids to owners, rows back: ``[U, D]`` in the order of ``plan.send_rows`` (or the rows fetched ahead)."""
+        if plan.rows is not None:
+            rows, plan.rows = plan.rows, None
+            return rows
         plan.recv_rows = all_to_all_varsize(plan.send_rows, plan.send_counts, plan.recv_counts, self.process_group)
         local = self.shard.kernels[pack].weight.index_select(0, plan.recv_rows)
         return all_to_all_varsize(local, plan.recv_counts, plan.send_counts, self.process_group)
