@@ -1,4 +1,4 @@
-"""Fault injection for chaos runs, in the style of TorchFT's: kill or freeze a worker at a step.
+"""Chaos plans, in the style of TorchFT's: which worker process is killed or frozen at which step.
 
 A :class:`ChaosPlan` is a fixed list of faults, each for one process of a worker slot: its
 ``incarnation`` (0: the launched process, 1: its first replacement, ...) and the step of that
@@ -18,38 +18,16 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import random
-import signal
-import subprocess
-import time
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable
+
+from sparse_core.faults import CHAOS_EXIT_CODE, Fault, FaultInjector
 
 logger = logging.getLogger(__name__)
 
-CHAOS_EXIT_CODE = 19  # a killed process's exit code (``--crash`` uses 17)
-
 __all__ = ["CHAOS_EXIT_CODE", "ChaosInjector", "ChaosPlan", "Fault"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    """Process ``incarnation`` of worker ``rank`` is killed (or frozen for ``seconds``) after its step ``step``."""
-
-    rank: int
-    incarnation: int
-    step: int  # counted from 1 within that process
-    kind: Literal["kill", "freeze"] = "kill"
-    seconds: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.rank < 0 or self.incarnation < 0 or self.step < 1:
-            raise ValueError(f"{self}: rank and incarnation must be >= 0 and step >= 1")
-        if self.kind == "freeze" and not self.seconds > 0:
-            raise ValueError(f"{self}: a freeze needs seconds > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,48 +80,19 @@ class ChaosPlan:
                             key=lambda f: (f.step, f.kind != "freeze")))
 
 
-class ChaosInjector:
+class ChaosInjector(FaultInjector):
     """One process's faults of a :class:`ChaosPlan`; ``record``: a folder where each fault leaves a JSON line.
 
-    The record of a kill is written (and flushed) before the process dies, with the batches it
-    trained, so a supervisor can tell a death from the plan from any other and account for them.
+    :class:`sparse_core.faults.FaultInjector` (the project's one injector) counting the process's own
+    steps from 1. The record of a kill is written (and flushed) before the process dies, with the
+    batches it trained, so a supervisor can tell a death from the plan from any other and account for them.
     """
 
     def __init__(self, plan: ChaosPlan, rank: int, incarnation: int, record: Path | None = None) -> None:
-        self.rank, self.incarnation = rank, incarnation
-        self.pending = list(plan.for_process(rank, incarnation))
-        self.record = record
+        super().__init__(rank, plan.for_process(rank, incarnation), incarnation=incarnation, record=record)
         self.steps = 0
-        self.trained: list[int] = []
 
-    def after_step(self, batch: int | None = None) -> None:
+    def after_step(self, batch: int | None = None) -> None:  # type: ignore[override]
         """Count one optimizer step (of batch number ``batch``); kill or freeze the process if the plan says so."""
         self.steps += 1
-        if batch is not None:
-            self.trained.append(int(batch))
-        while self.pending and self.pending[0].step == self.steps:
-            fault = self.pending.pop(0)
-            self._note(fault)
-            if fault.kind == "freeze":
-                self._freeze(fault.seconds)
-            else:
-                logger.warning("chaos: killing worker %d (incarnation %d) after its step %d", self.rank,
-                               self.incarnation, self.steps)
-                os._exit(CHAOS_EXIT_CODE)
-
-    def _note(self, fault: Fault) -> None:
-        if self.record is None:
-            return
-        self.record.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({**dataclasses.asdict(fault), "pid": os.getpid(), "trained": self.trained,
-                           "at": time.time()})
-        with open(self.record / f"faults-{self.rank}.jsonl", "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    @staticmethod
-    def _freeze(seconds: float) -> None:
-        # a detached waker: this process cannot wake itself while stopped
-        subprocess.Popen(["sh", "-c", f"sleep {seconds:.3f}; kill -CONT {os.getpid()}"], start_new_session=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        super().after_step(self.steps, batch)

@@ -1,8 +1,9 @@
-"""Fault injection for demos and tests: ``--straggler`` slows a rank, ``--crash`` kills one.
+"""The rec job's fault flags: ``--straggler`` slows a rank, ``--crash`` kills one.
 
-A :class:`FaultInjector` plugs into the training loop through three hooks and owns all of
-the timing: the loop measures its forward+backward compute and calls the hooks, it never
-looks at the options itself.
+This module parses the flags and hands them to the project's one fault injector,
+:class:`sparse_core.faults.FaultInjector` (the GBA chaos plans use the same one). The training
+loop measures its forward+backward compute and calls the injector's three hooks; it never looks
+at the options itself.
 
 Example::
 
@@ -15,46 +16,33 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
-import statistics
 import time
 from typing import Callable, Sequence
 
-logger = logging.getLogger(__name__)
+from sparse_core import faults as _faults
+from sparse_core.faults import CALIBRATION_STEPS, CRASH_EXIT_CODE, Straggler
 
-CALIBRATION_STEPS = 3  # undelayed micro-steps whose median forward+backward a --straggler factor scales
-CRASH_EXIT_CODE = 17
-
-
-@dataclasses.dataclass(frozen=True)
-class Straggler:
-    """One ``--straggler RANK:FACTOR[:START-END]`` option."""
-
-    rank: int
-    factor: float
-    start: int = 0
-    end: int | None = None  # exclusive; None: until the end
-
-    def delay_s(self, rank: int, step: int, compute_s: float) -> float:
-        """Seconds to sleep on ``rank`` at optimizer step ``step`` for a step of ``compute_s`` compute.
-
-        Example::
-
-            Straggler(1, 4.0).delay_s(rank=1, step=0, compute_s=0.1)   # 0.3
-        """
-        if rank != self.rank or step < self.start or (self.end is not None and step >= self.end):
-            return 0.0
-        return (self.factor - 1.0) * compute_s
+__all__ = ["CALIBRATION_STEPS", "CRASH_EXIT_CODE", "Crash", "FaultInjector", "Straggler", "parse_crash",
+           "parse_straggler"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Crash:
-    """One ``--crash RANK:STEP`` option: ``rank`` exits right after its optimizer step ``step``."""
+    """One ``--crash RANK:STEP`` option: ``rank`` exits (code 17) right after its optimizer step ``step``."""
 
     rank: int
     step: int
+
+    def fault(self) -> _faults.Fault:
+        """The injector's fault: a kill of ``rank`` after ``step`` with exit code 17.
+
+        Example::
+
+            Crash(1, 3).fault().exit_code   # 17
+        """
+        return _faults.Fault(self.rank, 0, self.step, "kill", exit_code=CRASH_EXIT_CODE)
 
 
 def parse_straggler(text: str) -> Straggler:
@@ -98,13 +86,10 @@ def parse_crash(text: str) -> Crash:
     return Crash(rank, step)
 
 
-class FaultInjector:
-    """This rank's injected faults, driven by the training loop's hooks.
+class FaultInjector(_faults.FaultInjector):
+    """This rank's ``--straggler`` and ``--crash`` faults: :class:`sparse_core.faults.FaultInjector` built from the flags.
 
-    The time a straggler factor scales is the median forward+backward of this rank's first
-    ``CALIBRATION_STEPS`` micro-steps, when nobody is slowed yet, fixed for the run (a live
-    step time would include all-reduce waits for another slow rank). ``sleep`` and ``exit``
-    are injectable so the component can be tested without sleeping or dying.
+    ``sleep`` and ``exit`` are injectable so the component can be tested without sleeping or dying.
 
     Example::
 
@@ -114,37 +99,6 @@ class FaultInjector:
 
     def __init__(self, rank: int, stragglers: Sequence[Straggler], crash: Crash | None,
                  sleep: Callable[[float], None] = time.sleep, exit: Callable[[int], None] = os._exit) -> None:
-        self.rank = rank
-        self.stragglers = tuple(s for s in stragglers if s.rank == rank)
-        self.crash = crash if crash is not None and crash.rank == rank else None
-        self._sleep, self._exit = sleep, exit
-        self._calibration: list[float] = []
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether the compute time a straggler factor scales is fixed yet."""
-        return len(self._calibration) >= CALIBRATION_STEPS
-
-    def before_backward(self, step: int) -> float:
-        """Sleep this rank's straggler delay at optimizer step ``step`` (job-wide with a gba block); returns it.
-
-        Before backward: the engine counts the delay as this worker's own compute.
-        """
-        if not self.calibrated:
-            return 0.0
-        base = statistics.median(self._calibration)
-        delay = sum(s.delay_s(self.rank, step, base) for s in self.stragglers)
-        if delay:
-            self._sleep(delay)
-        return delay
-
-    def after_backward(self, compute_s: float) -> None:
-        """Record an undelayed micro-step's forward+backward seconds while calibrating."""
-        if self.stragglers and not self.calibrated:
-            self._calibration.append(compute_s)
-
-    def after_step(self, step: int) -> None:
-        """Exit at once (code 17, no goodbye to the servers, no cleanup) if this is the crash step."""
-        if self.crash is not None and self.crash.step == step:
-            logger.debug("--crash: rank %d exits after step %d", self.rank, step)
-            self._exit(CRASH_EXIT_CODE)
+        crash = crash if crash is not None and crash.rank == rank else None
+        super().__init__(rank, () if crash is None else (crash.fault(),), stragglers, sleep=sleep, exit=exit)
+        self.crash = crash
