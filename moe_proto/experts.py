@@ -543,11 +543,15 @@ class GroupedExperts(nn.Module):
             experts = GroupedExperts.from_module(mlp, num_experts=8, expert_group_name="ep_size_1")
         """
         error: Optional[ValueError] = None
-        for fc1, fc3, activation, fc2 in _parse_ffn(expert):
-            try:
-                return cls._copy_of(expert, num_experts, expert_group_name, fc1, fc3, activation, fc2)
-            except ValueError as why:  # a gated guess whose forward differs: try the next reading
-                error = why
+        # The stacks' own initialisation is overwritten by the copy: it must not draw from the global RNG, or the
+        # layers built after this one would start from other weights than beside DeepSpeed's layer (a deep copy).
+        cuda = [p.device for p in expert.parameters() if p.device.type == "cuda"][:1]
+        with torch.random.fork_rng(devices=cuda):
+            for fc1, fc3, activation, fc2 in _parse_ffn(expert):
+                try:
+                    return cls._copy_of(expert, num_experts, expert_group_name, fc1, fc3, activation, fc2)
+                except ValueError as why:  # a gated guess whose forward differs: try the next reading
+                    error = why
         raise error
 
     @classmethod

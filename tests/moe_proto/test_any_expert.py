@@ -184,3 +184,18 @@ def test_per_expert_path_under_expert_parallelism_and_deepspeeds_checkpoint(tmp_
     for r in results:
         assert r["out"] and r["grads"] and r["moved"] and r["restored"]
         assert r["files"] == [f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(E)]
+
+
+@pytest.mark.parametrize("module", [lambda: nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, D)),
+                                    lambda: SwiGLU(), lambda: GatedBlock()])
+def test_building_from_an_expert_module_leaves_the_global_rng_as_deepspeeds_layer_does(module):
+    """The layers after an MoE layer must start from the weights they get beside DeepSpeed's layer (a deep copy)."""
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    expert = module()
+    after = {}
+    for name, build in (("ds", DeepSpeedMoE), ("ours", MoE)):
+        torch.manual_seed(0)
+        build(D, expert, num_experts=E, use_rts=False)
+        after[name] = torch.rand(4)
+    assert torch.equal(after["ours"], after["ds"])
