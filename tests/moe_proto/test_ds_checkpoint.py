@@ -6,7 +6,9 @@ ours at ep 2 (ZeRO 2, the save that hung before: two ranks write expert files, t
 -> DeepSpeed's at ep 1 (ZeRO 0); ours built without an expert module (stacked keys until
 deepspeed.initialize binds it) at ep 2 resumes exactly under ZeRO 1. Each load is checked
 against the expert files DeepSpeed wrote and by the eval output on one batch, which must
-equal the saving model's.
+equal the saving model's. A second launch runs DeepSpeed's test_checkpoint_moe_and_zero scenario on a
+PR-MoE pyramid (2 experts at ep 2, 4 at ep 4, residual MLPs) in fp16 under ZeRO 2: an exact resume with
+optimizer states and loss scaler, and the weights loaded into ours at ep (1, 2) and DeepSpeed's layer at ep (2, 2).
 """
 import os
 
@@ -202,3 +204,63 @@ def test_full_state_helpers_name_deepspeeds_layout():
         load_full_state_dict(target, source.state_dict())
     assert torch.equal(target[0].experts.w1, source[0].experts.w1)
     assert source[0].state_dict_layout == "deepspeed"  # restored after the block
+
+
+def pyramid_roundtrip(rank, world_size, root):
+    """PR-MoE (2 experts at ep 2, then 4 at ep 4; residual MLPs) in fp16 under ZeRO 2, as DeepSpeed's
+    test_checkpoint_moe_and_zero: an exact resume with optimizer states, then the weights at other ep sizes."""
+    import deepspeed
+
+    from tests.moe_proto.test_ds_battery import PRMoEModel, batch, make_engine, perturb_experts
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def engine_of(which, ep_sizes, stage):
+        torch.manual_seed(0)
+        model = PRMoEModel(which, ep_sizes=ep_sizes, use_residual=True)
+        perturb_experts(model, rank)
+        return make_engine(model, stage, "fp16")
+
+    def steps(engine, which):
+        losses = []
+        for step in which:
+            loss = engine(*batch(step, rank, torch.float16))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def features(engine):
+        engine.eval()
+        with torch.no_grad():
+            return engine.module.features(batch(99, rank, torch.float16)[0]).float().numpy()
+
+    out = {}
+    a = engine_of("ours", (2, 4), 2)
+    steps(a, (0, 1))
+    a.save_checkpoint(root, tag="t")
+    out["saved"] = features(a)
+    a.train()
+    out["continued"] = steps(a, (2, 3))
+    out["files"] = sorted(f for f in os.listdir(os.path.join(root, "t")) if f.startswith("layer_"))
+    b = engine_of("ours", (2, 4), 2)
+    b.load_checkpoint(root, tag="t")  # optimizer states and the loss scaler too
+    out["resumed"] = steps(b, (2, 3))
+    for name, which, ep_sizes, stage in (("ours_ep_1_2", "ours", (1, 2), 0), ("ds_ep_2_2", "ds", (2, 2), 1)):
+        c = engine_of(which, ep_sizes, stage)
+        c.load_checkpoint(root, tag="t", load_optimizer_states=False)
+        out[name] = features(c)
+    out["untrained"] = features(engine_of("ours", (1, 2), 0))  # what a load that did nothing would give
+    return out
+
+
+@pytest.mark.soak
+def test_pyramid_fp16_checkpoint_resumes_and_loads_at_other_ep_sizes_and_into_deepspeeds_layer(tmp_path):
+    results = run_distributed(pyramid_roundtrip, WORLD, args=(str(tmp_path),), timeout_s=50)
+    for rank, r in enumerate(results):
+        assert r["resumed"] == r["continued"], rank
+        for name in ("ours_ep_1_2", "ds_ep_2_2"):
+            assert torch.allclose(torch.tensor(r[name]), torch.tensor(r["saved"]), atol=2e-3, rtol=2e-3), (name, rank)
+        assert not torch.allclose(torch.tensor(r["untrained"]), torch.tensor(r["saved"]), atol=2e-2), rank
+    assert results[0]["files"] == [f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(2)] + [
+        f"layer_1_expert_{g}_mp_rank_00_model_states.pt" for g in range(4)]
