@@ -125,6 +125,13 @@ class PicassoConfig(StrictBlock):
     interleave: InterleaveConfig = Field(
         InterleaveConfig(), description="Micro-batch interleaving inside a step and read-ahead of training batches "
                                         "(both off by default).")
+    pipeline: bool = Field(
+        False, description="Sparse-dist pipeline: a background thread reads the next training batch and, on a gloo "
+                           "group of its own, deduplicates and exchanges its ids (row-wise tables: ids to the "
+                           "owners, then the rows once this batch's step is done; data-parallel tables: the union "
+                           "of the ranks' rows) while this batch's forward and backward run. Results equal the "
+                           "unpipelined step bit for bit. The rec job, per-rank streams, interleave.micro_batches "
+                           "1 and no cache only; false: off.")
     bounds_check: Literal["fatal", "warn", "clamp"] = Field(
         "fatal", description='What a lookup does with an embedding id < 0 or >= its table\'s rows (FBGEMM\'s '
                              'BoundsCheckMode): "fatal" stops with an error naming the field, table, id and range; '

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
@@ -101,22 +102,54 @@ class RankStream:
         self._at_epoch_end = False  # this rank's source stands right after an EPOCH_END
         self._ended: list[int] = []  # epochs ended since the last epoch_ends()
         self._last_ended = False  # the data of the job's last epoch ended (on every rank)
+        self._lock = threading.Lock()  # peek (a pipeline's thread) against state() (a save)
+        self._peeked: list[Any] = []  # the item peek() read ahead, handed out by the next __next__
+        self._state_before_peek: dict[str, int] | None = None
 
     def __iter__(self) -> "RankStream":
         self._items = iter(self.source)
+        self._peeked = []
         return self
 
-    def __next__(self) -> CTRBatch | None:
+    def _take(self) -> Any:
+        """The next raw item: the one read ahead, else the source's (StopIteration at its end)."""
+        with self._lock:
+            if self._peeked:
+                item = self._peeked.pop()
+                self._state_before_peek = None
+                if item is _END:
+                    raise StopIteration
+                return item
         if self._items is None:
             self._items = iter(self.source)
-        item = next(self._items)
+        return next(self._items)
+
+    def __next__(self) -> CTRBatch | None:
+        item = self._take()
         if item is EPOCH_END:
             self._at_epoch_end = True
             return None  # like the end of the data: step_samples ends the epoch on every rank
         return item
 
+    def peek(self) -> CTRBatch | None:
+        """The batch the next ``next()`` returns, read now (``None`` at an epoch's or the data's end).
+
+        The stream's :meth:`state` stays the position of the batches handed out. Safe to call from
+        one other thread (a sparse-dist pipeline) while the loop's thread does not read the stream.
+        """
+        with self._lock:
+            if not self._peeked:
+                before = self.source.state()
+                if self._items is None:
+                    self._items = iter(self.source)
+                self._peeked.append(next(self._items, _END))
+                self._state_before_peek = before
+            item = self._peeked[0]
+        return None if item is _END or item is EPOCH_END else item
+
     def state(self) -> dict[str, int]:
-        return self.source.state()
+        with self._lock:
+            return self._state_before_peek if self._state_before_peek is not None else self.source.state()
 
     def step_samples(self, batch: CTRBatch | None, group: Any) -> int:
         if not self.finite:  # every rank trains micro_batch samples per micro-step: no collective, no query
@@ -157,7 +190,12 @@ class RankStream:
             return False
         if not self._at_epoch_end:  # another rank's shard ended first: drop the rest of this rank's epoch
             dropped = 0
-            for item in self._items if self._items is not None else ():
+            with self._lock:
+                ahead, self._peeked, self._state_before_peek = self._peeked, [], None
+            # the epoch's end read ahead: nothing left to drop; a batch read ahead is the first one dropped
+            rest = () if ahead and ahead[0] is EPOCH_END else (self._items if self._items is not None else ())
+            dropped += int(bool(ahead) and ahead[0] is not EPOCH_END and ahead[0] is not _END)
+            for item in rest:
                 if item is EPOCH_END:
                     break
                 dropped += 1
@@ -178,6 +216,9 @@ class RankStream:
         # (if the loop raised: a daemon thread, stopped when the prefetcher is collected or the process exits)
         if isinstance(self.source, Prefetcher):
             self.source.close()
+
+
+_END = object()  # the source ended (read ahead by RankStream.peek)
 
 
 class ClaimedBatches:

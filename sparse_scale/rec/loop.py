@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ from sparse_scale.rec.moe_tower import load_events, plus_aux_loss, towers_of
 
 logger = logging.getLogger(__name__)
 notice = logging.getLogger("sparse_scale.rec.notice")
+PIPELINE_TIMEOUT_S = 300.0  # a sparse-dist pipeline's waits and collectives (a rank's step, not an evaluation)
 LOG_EVERY = 50  # optimizer steps between loss / throughput points on the bar and the monitor
 
 
@@ -77,6 +79,37 @@ def early_stopping(job: RecJob) -> EarlyStopping | None:
     return tracker
 
 
+def sparse_pipeline(job: RecJob, engine: RecEngine, stream: TrainStream) -> Any:
+    """The job's sparse-dist pipeline (``picasso.pipeline``), or ``None`` where it is off or does not apply.
+
+    It applies to per-rank streams with packed data-parallel or row-wise tables under
+    ``sparse_scale.initialize``'s DeepSpeed engine, with ``interleave.micro_batches`` 1 and no cache.
+    """
+    block = job.picasso
+    if block is None or not block.pipeline:
+        return None
+    why = None
+    if stream.is_claimed or job.gba is not None:
+        why = "batches are claimed by number (gba block)"
+    elif block.interleave.micro_batches > 1:
+        why = "interleave.micro_batches > 1 splits each batch"
+    elif block.cache is not None:
+        why = "a cache serves the tables"
+    if why is None:
+        from picasso_ops.distributed.pipeline import SparseDistPipeline, pipelined_tables
+
+        if not pipelined_tables(engine.module):
+            why = "the model has no packed data-parallel or row-wise tables"
+    if why is not None:
+        if job.rank == 0:
+            logger.info("picasso.pipeline is on but does not apply here (%s): the steps run unpipelined", why)
+        return None
+    if job.rank == 0:
+        logger.info("picasso pipeline: the next batch's ids are read and exchanged on a thread while one trains")
+    return SparseDistPipeline(engine.module, peek=stream.peek, to_batch=lambda b: (b.values, b.lengths),  # type: ignore[attr-defined]
+                              timeout_s=PIPELINE_TIMEOUT_S)
+
+
 def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,
                ckpt_dir: Path) -> LoopResult:
     """Train from ``progress`` until ``job.config.steps`` (per-rank streams), the stream's end or an early stop.
@@ -86,9 +119,11 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
     state is not saved, so the last good checkpoint stays ``latest`` (and the best one stays in OUT/best).
     """
     tracker = early_stopping(job)
+    pipe = sparse_pipeline(job, engine, stream)
     try:
-        return _train_loop(job, engine, stream, progress, faults, ckpt_dir, tracker)
+        return _train_loop(job, engine, stream, progress, faults, ckpt_dir, tracker, pipe)
     except DivergenceError as exc:
+        _close_quietly(pipe, job.rank)
         stream.close()
         message = str(exc)
         if tracker is not None and tracker.best is not None and "checkpoint" in tracker.best:
@@ -96,10 +131,22 @@ def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Pr
             message += (f"; the best evaluation's checkpoint {b['checkpoint']} ({tracker.metric} "
                         f"{b[tracker.key]:.4f} at step {b['step']}) is kept")
         raise TrainingDivergedError(message) from None
+    finally:
+        _close_quietly(pipe, job.rank)
+
+
+def _close_quietly(pipe: Any, rank: int) -> None:
+    """Close a pipeline after the loop failed (the loop's error is the one reported); a closed one: nothing."""
+    if pipe is None or pipe.closed:
+        return
+    try:
+        pipe.close()
+    except Exception:  # noqa: BLE001
+        logger.exception("rank %d: closing the sparse-dist pipeline after an error", rank)
 
 
 def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,
-                ckpt_dir: Path, tracker: EarlyStopping | None = None) -> LoopResult:
+                ckpt_dir: Path, tracker: EarlyStopping | None = None, pipe: Any = None) -> LoopResult:
     from tqdm import tqdm
 
     cfg = job.config
@@ -107,6 +154,10 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
     bar = tqdm(total=cfg.steps, initial=progress.step, desc="train", unit="step", disable=job.rank != 0,
                dynamic_ncols=True, mininterval=1.0)
     batches = iter(stream)
+
+    def take() -> Any:
+        return next(batches, None) if pipe is None else pipe.next_item(lambda: next(batches, None))
+
     towers = towers_of(engine.module)  # MoE towers: their aux loss joins the loss, their load the monitor
     train_time, samples_this_run, history, last_ckpt = 0.0, 0, [], None
     loss_sum, loss_count = 0.0, 0  # since the last LOG_EVERY point (plain floats: no tensor per micro-step)
@@ -138,7 +189,7 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
         mark = stream.mark() if cfg.save_every or cfg.epochs > 1 else None
         guard.start_step(ds_engine)
         for _ in range(job.grad_accum):
-            batch = next(batches, None)
+            batch = take()
             samples = stream.step_samples(batch, engine.worker_group)
             while samples == 0 and stream.next_epoch():  # an epoch ended on some rank: every rank takes the next
                 if micro_done == 0:  # at a step boundary the model is the epoch's end: score it before going on
@@ -149,13 +200,16 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
                     t0 += time.perf_counter() - te  # evaluation is no training time
                     if stop:
                         break
-                batch = next(batches, None)
+                batch = take()
                 samples = stream.step_samples(batch, engine.worker_group)
             if stop:  # at a step boundary (micro_done == 0): nothing of this step was trained
                 break
             if samples == 0:
                 exhausted = True  # a partial accumulation window is dropped, like drop_last
                 break
+            if pipe is not None:
+                pipe.submit()  # the next batch is read and exchanged while this one trains
+                pipe.arm()  # this batch's lookups, prepared during the last step
             tc = time.perf_counter()
             loss = plus_aux_loss(loss_fn(engine(batch.dense, batch.values, batch.lengths), batch.labels), towers)
             forward_s = time.perf_counter() - tc
@@ -164,6 +218,8 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
             engine.backward(loss)
             faults.after_backward(forward_s + time.perf_counter() - tb)
             engine.step()
+            if pipe is not None:
+                pipe.release()  # the tables are updated: the next batch's rows may be fetched
             micro_done += 1
             step_samples += samples  # claimed: this worker's samples (the job's are summed at the end)
             loss_value = loss.item()
@@ -198,6 +254,11 @@ def _train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: P
             guard.checkpoint_saved(last_ckpt, progress.step)
     guard.check_params(engine.module, progress.step)  # the runner's final save follows: never of a diverged state
     bar.close()
+    if pipe is not None:
+        pipe.close()  # raises what its thread hit; a batch it read ahead is dropped (the stream's state is consumed)
+        if job.rank == 0:
+            logger.info("picasso pipeline: %(rounds)d batches read ahead (%(void)d at an end of the data), "
+                        "%(unprepared)d trained unprepared", pipe.stats)
     stream.close()  # stop reading ahead before evaluating
     if exhausted and job.rank == 0 and not stream.is_claimed and not stop:
         if cfg.epochs > 1:
