@@ -56,7 +56,7 @@ from picasso_ops.contracts import FieldRowPrefetcher, SparseStepModule
 from picasso_ops.distributed.comm import (ProcessGroup, all_gather_varsize, coalesce_rows, pack_rows, unpack_rows,
                                           world_info)
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
-from picasso_ops.embedding.packed import _sum_by_row  # the packed kernel's per-row sum: same bits as without the cache
+from picasso_ops.embedding.row_grads import sum_by_row as _sum_by_row  # the packed kernel's per-row sum: same bits as without the cache
 
 __all__ = ["CachedFieldEmbeddings", "CacheTooSmall"]
 

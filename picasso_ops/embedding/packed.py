@@ -54,8 +54,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +64,12 @@ from torch.autograd.function import once_differentiable
 from picasso_ops import ops as custom_ops
 from picasso_ops.contracts import SparseStepModule
 from picasso_ops.embedding.bounds import BoundsCheck, check_finite_weights
-from picasso_ops.embedding.packing import PackGroup, TablePlacement, plan_packing
-from picasso_ops.embedding.sparse_optim import RowUpdate, SparseOptimizer, create_optimizer
+from picasso_ops.embedding.id_check import check_ids, check_plan_ids
+from picasso_ops.embedding.lookup_plan import LookupPlan, Run, build_plan, torch_plan
+from picasso_ops.embedding.pack_columns import PackColumns, long_tensor
+from picasso_ops.embedding.packing import PackGroup, plan_packing
+from picasso_ops.embedding.row_grads import cumsum, row_update, sum_by_row, update_blocks
+from picasso_ops.embedding.sparse_optim import SparseOptimizer, create_optimizer
 from picasso_ops.embedding.spec import TableSpec
 from picasso_ops.jagged import JaggedBatch
 
@@ -75,7 +78,6 @@ __all__ = ["PackedEmbeddingCollection", "KeyedEmbeddings"]
 logger = logging.getLogger(__name__)
 
 Mode = Literal["fused", "autograd"]
-_INT32_MAX = 2**31 - 1
 _HUGEPAGE_MIN_BYTES = 8 << 20  # smaller outputs are usually recycled by malloc, already faulted in
 # what to use instead of tables that update each rank's copy alone (the warning below and replica_problems)
 REPLICA_ADVICE = (
@@ -130,37 +132,16 @@ class KeyedEmbeddings:
         return out
 
 
-@dataclass
-class _LookupPlan:
-    """One pack's per-batch indices, built by ``prepare`` and kept for the backward."""
-
-    indices: Tensor  # [N] buffer rows, int32 or int64, column-major: all ids of column 0, then column 1, ...
-    offsets: Optional[Tensor]  # pooled: [C * B + 1] bag offsets, same dtype as indices
-    lengths: Optional[Tensor]  # pooled: [C * B] ids per bag (bag (c, b) at c * B + b)
-    weights: Optional[Tensor]  # pooled, weighted batches: [N] per-sample weights
-    bag_scale: Optional[Tensor]  # pooled packs with mean tables: [C * B] 1 / length for mean bags, 1 for sum bags
-    batch_size: int
-    seq_rows: tuple[int, ...] = ()  # sequence packs: buffer rows per feature
-    seq_ids: tuple[int, ...] = ()  # sequence packs: ids per feature
-    row_offsets: Optional[Tensor] = None  # custom ops: indices are raw ids, buffer row = id + row_offsets[column]
-    column_rows: Optional[Tensor] = None  # custom ops: ids not checked yet; the op checks id < column_rows[column]
-
-
-# a run copies kernel column blocks [c0, c1) to output columns starting at `start`
-_Run = tuple[int, int, int]
-
-
 class _PackKernel(nn.Module):
-    """One pack: its buffer, optimizer state, and the fused lookup / backward+update.
+    """One pack: its buffer and optimizer state, and which kernel runs its lookup and backward+update.
 
-    Pooled packs look up "columns": one per (feature, buffer row of a table
-    row), so a table of dim ``k * width`` owns ``k`` adjacent columns. Bags are
-    ordered column-major, the order the batch already has (field-major), so a
-    pack whose fields are consecutive in the batch reads the ids in place.
+    The batch's ids become a :class:`LookupPlan` (``lookup_plan.py``) over the pack's columns
+    (``pack_columns.py``), checked by ``id_check.py``; the backward sums row gradients
+    (``row_grads.py``) and applies the pack's optimizer, or keeps them for ``step()`` when deferred.
+    A custom op (C++ on CPU, Triton on CUDA) runs both where it applies, else the torch path does.
     """
 
-    # ids per backward block: at least torch's radix-sort threshold (32k), small enough to stay
-    # in cache; 2**17 measured best at F=200, B=2048 (2**15..2**18 within 5%, one block 25% slower)
+    # ids per backward block: at least torch's radix-sort threshold (32k), small enough to stay in cache
     sort_block: int = 1 << 17
 
     def __init__(self, group: PackGroup, mode: Mode, device: Optional[torch.device], custom_ops: bool = False,
@@ -171,14 +152,10 @@ class _PackKernel(nn.Module):
         self.mode = mode
         self.custom_ops = custom_ops
         self.optimizer: SparseOptimizer = create_optimizer(group.optimizer, dict(group.hyperparams))
+        self.columns = PackColumns(group, device)
         self.width = group.width
-        self.uniform = group.sub_rows_uniform
-        self.index_dtype = torch.int32 if group.num_storage_rows <= _INT32_MAX else torch.int64
-        # features in spec order: (feature name, placement)
-        self.features: list[tuple[str, TablePlacement]] = [
-            (name, p) for p in group.tables for name in p.spec.feature_names
-        ]
-        self.min_rows = min(p.spec.num_embeddings for p in group.tables)
+        self.uniform = self.columns.uniform
+        self.features = self.columns.features
 
         weight = torch.empty(group.num_storage_rows, group.width, dtype=group.dtype, device=device)
         if mode == "autograd":
@@ -195,34 +172,7 @@ class _PackKernel(nn.Module):
         self._uniform_step: Optional[int] = 0  # python mirror of steps while all tables agree (no sync)
         self._pending: list[tuple[Tensor, Tensor]] = []
         self._defer = False  # set through PackedEmbeddingCollection.defer_updates
-
-        # static per-table tensors for mapping buffer rows back to tables (sub-row packs, per-table steps)
-        self.register_buffer("_t_storage_start", _long([p.storage_offset for p in group.tables], device), persistent=False)
-        self.register_buffer("_t_row_start", _long([p.row_offset for p in group.tables], device), persistent=False)
-        self.register_buffer("_t_sub_rows", _long([p.sub_rows for p in group.tables], device), persistent=False)
-        # static per-column lookup constants: buffer row = id * mult + add
-        mult, add, rows, mean, owner, first = [], [], [], [], [], []
-        for i, (name, p) in enumerate(self.features):
-            first.append(len(owner))
-            for j in range(p.sub_rows if group.pooled else 1):
-                mult.append(p.sub_rows)
-                add.append(p.storage_offset + j)
-                rows.append(p.spec.num_embeddings)
-                mean.append(p.spec.pooling == "mean")
-                owner.append(i)
-        self.column_owner = owner
-        # features come grouped by table, so a table's columns are contiguous: where each table starts
-        self._table_first_columns = [
-            first[i] for i, (_, p) in enumerate(self.features) if i == 0 or self.features[i - 1][1].spec.name != p.spec.name
-        ]
-        self.feature_first_column = first
-        self.num_columns = len(owner)
-        self.has_mean = any(mean)
-        self._column_starts: dict[tuple[_Run, ...], Tensor] = {}
-        self.register_buffer("_c_mult", _long(mult, device), persistent=False)
-        self.register_buffer("_c_add", _long(add, device).to(self.index_dtype), persistent=False)
-        self.register_buffer("_c_rows", _long(rows, device), persistent=False)
-        self.register_buffer("_c_mean", torch.tensor(mean, dtype=torch.bool, device=device), persistent=False)
+        self._column_starts: dict[tuple[Run, ...], Tensor] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -255,167 +205,21 @@ class _PackKernel(nn.Module):
         """Nothing: the collection loads per-table entries itself."""
 
     # --------------------------------------------------------------- forward
-    def prepare(self, batch: JaggedBatch, columns: Tensor, first_field: Optional[int]) -> _LookupPlan:
-        """Build this pack's indices for ``batch``.
-
-        ``columns`` holds the batch field of each column; ``first_field`` is set
-        when the columns are the consecutive batch fields ``first_field, ...``,
-        so their ids are one slice of ``batch.values`` and need no gather.
-        """
-        B, C = batch.batch_size, self.num_columns
-        device = batch.values.device
-        field_offsets = batch.field_offsets
-        weights = None
-        if first_field is not None:
-            f0, f1 = first_field, first_field + C
-            lo, hi = (int(v) for v in field_offsets[f0 : f1 + 1 : C])
-            raw = batch.values[lo:hi]  # a view: never modified below
-            counts = field_offsets[f0 + 1 : f1 + 1] - field_offsets[f0:f1]
-            lengths = batch.lengths[f0:f1].reshape(-1)
-            offsets = batch.offsets[f0 * B : f1 * B + 1]  # a view: never modified below
-            if lo:
-                offsets = offsets - lo
-            if batch.weights is not None and self.group.pooled:
-                weights = batch.weights[lo:hi]
-        else:
-            starts = field_offsets[:-1].index_select(0, columns)
-            counts = field_offsets[1:].index_select(0, columns) - starts
-            n = int(counts.sum())
-            # each column is one contiguous run of the batch's ids: gather index = run start + position in run
-            src = torch.repeat_interleave(starts - (torch.cumsum(counts, 0) - counts), counts, output_size=n)
-            src += torch.arange(n, device=device)
-            raw = batch.values.index_select(0, src)
-            lengths = batch.lengths.index_select(0, columns).reshape(-1)
-            offsets = _offsets(lengths) if self.group.pooled else None
-            if batch.weights is not None and self.group.pooled:
-                weights = batch.weights.index_select(0, src)
-        n = raw.numel()
-        if self.group.pooled and self.uniform and self._op_backend() is not None:
-            # the op adds each column's row offset itself (no shifted copy of the ids) and checks each id
-            # against its table's size while it reads it (no separate pass over the ids here); warn and clamp
-            # replace bad ids first, so the op never sees one
-            if self.bounds.mode != "fatal":
-                raw = self._check_ids(raw, counts)
-            return _LookupPlan(
-                indices=raw, offsets=offsets, lengths=lengths, weights=weights, bag_scale=None,
-                batch_size=B, row_offsets=self._c_add, column_rows=self._c_rows,
-            )
-        raw = self._check_ids(raw, counts)
-        index_dtype = self.index_dtype if n <= _INT32_MAX and B * C < _INT32_MAX else torch.int64
-        add = torch.repeat_interleave(self._c_add, counts, output_size=n)
-        if self.uniform:  # narrowing first is safe (ids were checked) and halves the bytes moved
-            indices = raw.to(index_dtype, copy=True)
-            indices += add
-        else:
-            indices = (raw * torch.repeat_interleave(self._c_mult, counts, output_size=n) + add).to(index_dtype)
-        if not self.group.pooled:
-            return self._sequence_plan(indices, counts, B, index_dtype)
-        bag_scale = None
-        if self.has_mean:
-            inv = lengths.to(torch.float32).clamp_(min=1.0).reciprocal_()
-            bag_scale = torch.where(self._c_mean.repeat_interleave(B), inv, torch.ones_like(inv))
-        return _LookupPlan(
-            indices=indices,
-            offsets=offsets.to(index_dtype),
-            lengths=lengths,
-            weights=weights,
-            bag_scale=bag_scale,
-            batch_size=B,
-        )
-
-    def _sequence_plan(self, indices: Tensor, counts: Tensor, batch_size: int, index_dtype: torch.dtype) -> _LookupPlan:
-        """Sequence packs: expand each id to its table's ``k`` buffer rows (``k == 1`` in same-dim packs)."""
-        rows = counts
-        if not self.uniform:
-            n = indices.numel()
-            k = torch.repeat_interleave(self._c_mult, counts, output_size=n)
-            rows = counts * self._c_mult
-            m = int(rows.sum())
-            first = torch.repeat_interleave(torch.cumsum(k, 0) - k, k, output_size=m)
-            indices = torch.repeat_interleave(indices, k, output_size=m) + (torch.arange(m, device=indices.device) - first)
-        return _LookupPlan(
-            indices=indices.to(index_dtype if indices.numel() <= _INT32_MAX else torch.int64),
-            offsets=None,
-            lengths=None,
-            weights=None,
-            bag_scale=None,
-            batch_size=batch_size,
-            seq_rows=tuple(rows.tolist()),
-            seq_ids=tuple(counts.tolist()),
-        )
+    def prepare(self, batch: JaggedBatch, columns: Tensor, first_field: Optional[int]) -> LookupPlan:
+        """This pack's plan for ``batch`` (``columns``: the batch field of each column; see :func:`build_plan`)."""
+        op_path = self.group.pooled and self.uniform and self._op_backend() is not None
+        return build_plan(self.columns, batch, columns, first_field, self._check_ids, op_path,
+                          check_in_op=self.bounds.mode == "fatal")  # the op raises on a bad id itself
 
     def _check_ids(self, raw: Tensor, counts: Tensor) -> Tensor:
-        """``raw``, or with ``bounds_check`` "warn"/"clamp" a copy whose out-of-range ids are replaced (and counted).
+        return check_ids(self.columns, self.bounds, raw, counts)
 
-        With "fatal" an id outside its table raises ``IndexError`` naming the field, id and table size.
-        One ``aminmax`` decides the common case; only when the largest id is at
-        least the smallest table's size are the ids compared with their own
-        table's size (one more vectorised pass).
-        """
-        if raw.numel() == 0:
-            return raw
-        lo, hi = (int(v) for v in torch.aminmax(raw))
-        if lo >= 0 and hi < self.min_rows:
-            return raw
-        bound = torch.repeat_interleave(self._c_rows, counts, output_size=raw.numel())
-        bad = (raw < 0) | (raw >= bound)
-        if not bool(bad.any()):
-            return raw
-        if self.bounds.mode == "fatal":
-            i = int(bad.nonzero()[0, 0])
-            column = int(torch.searchsorted(torch.cumsum(counts, 0), torch.tensor(i, device=counts.device), right=True))
-            name, p = self.features[self.column_owner[column]]
-            raise IndexError(
-                f"field {name!r}: id {int(raw[i])} is out of range for table {p.spec.name!r} "
-                f"of size {p.spec.num_embeddings} (valid ids are 0..{p.spec.num_embeddings - 1}; "
-                "picasso.bounds_check 'warn' or 'clamp' replaces such ids instead, counted)"
-            )
-        self._count_bad(raw, counts, bad)
-        return self.bounds.replace(raw, bound, bad)
+    def _torch_plan(self, plan: LookupPlan) -> LookupPlan:
+        return torch_plan(self.columns, plan)
 
-    def _count_bad(self, raw: Tensor, counts: Tensor, bad: Tensor) -> None:
-        """Count the bad ids per table (once per id: a sub-row table's other columns repeat its ids)."""
-        column_of = torch.repeat_interleave(torch.arange(self.num_columns, device=raw.device), counts,
-                                            output_size=raw.numel())
-        per_column = torch.bincount(column_of[bad], minlength=self.num_columns).tolist()
-        per_table: dict[str, int] = {}
-        example: dict[str, tuple[str, int, int]] = {}
-        for fi, (name, p) in enumerate(self.features):
-            c = self.feature_first_column[fi]
-            if per_column[c]:
-                table = p.spec.name
-                per_table[table] = per_table.get(table, 0) + per_column[c]
-                if table not in example:
-                    first = int((bad & (column_of == c)).nonzero()[0, 0])
-                    example[table] = (name, int(raw[first]), p.spec.num_embeddings)
-        self.bounds.record(per_table, example)
-
-    def _check_plan_ids(self, plan: _LookupPlan) -> None:
-        """``_check_ids`` for a custom-op plan whose ids the op has not checked (raises ``IndexError``)."""
-        if plan.column_rows is None:
-            return
-        B = plan.batch_size
-        counts = plan.offsets[::B].diff() if B > 0 else plan.offsets.new_zeros(self.num_columns)
-        self._check_ids(plan.indices, counts)  # fatal raises; warn/clamp replaced the ids in prepare already
-
-    def _torch_plan(self, plan: _LookupPlan) -> _LookupPlan:
-        """A plan with buffer rows as indices (and mean scales), for the torch path, from a custom-op plan."""
-        if plan.row_offsets is None:
-            return plan
-        counts = plan.offsets[:: max(plan.batch_size, 1)].diff() if plan.batch_size > 0 else plan.offsets[:0]
-        rows = plan.indices + torch.repeat_interleave(plan.row_offsets.long(), counts, output_size=plan.indices.numel())
-        bag_scale = None
-        if self.has_mean:
-            inv = plan.lengths.to(torch.float32).clamp(min=1.0).reciprocal()
-            bag_scale = torch.where(self._c_mean.repeat_interleave(plan.batch_size), inv, torch.ones_like(inv))
-        return _LookupPlan(
-            indices=rows, offsets=plan.offsets, lengths=plan.lengths, weights=plan.weights, bag_scale=bag_scale,
-            batch_size=plan.batch_size,
-        )
-
-    def lookup(self, plan: _LookupPlan) -> Tensor:
+    def lookup(self, plan: LookupPlan) -> Tensor:
         """Pooled: ``[C * B, width]`` bags column-major; sequence: ``[buffer rows, width]``."""
-        self._check_plan_ids(plan)  # the torch kernels only check rows against the whole buffer
+        check_plan_ids(self.columns, self.bounds, plan)  # the torch kernels only check rows against the whole buffer
         plan = self._torch_plan(plan)
         sparse = self.mode == "autograd"
         if not self.group.pooled:
@@ -436,17 +240,17 @@ class _PackKernel(nn.Module):
             out = out * plan.bag_scale.to(out.dtype).unsqueeze(1)
         return out
 
-    def write_columns(self, values: Tensor, out: Tensor, runs: Sequence[_Run]) -> None:
+    def write_columns(self, values: Tensor, out: Tensor, runs: Sequence[Run]) -> None:
         """Copy the ``[C * B, width]`` lookup into its columns of ``values [B, sum D]`` (the transpose is this copy)."""
         B, w = values.shape[0], self.width
-        blocks = out.view(self.num_columns, B, w)
+        blocks = out.view(self.columns.num_columns, B, w)
         for c0, c1, start in runs:
             values[:, start : start + (c1 - c0) * w].view(B, c1 - c0, w).copy_(blocks[c0:c1].transpose(0, 1))
 
-    def read_columns(self, grad: Tensor, runs: Sequence[_Run]) -> Tensor:
+    def read_columns(self, grad: Tensor, runs: Sequence[Run]) -> Tensor:
         """The inverse of ``write_columns`` for a gradient: ``[B, sum D]`` -> contiguous ``[C * B, width]``."""
         B, w = grad.shape[0], self.width
-        blocks = torch.empty(self.num_columns, B, w, dtype=self.weight.dtype, device=grad.device)
+        blocks = torch.empty(self.columns.num_columns, B, w, dtype=self.weight.dtype, device=grad.device)
         for c0, c1, start in runs:
             blocks[c0:c1].copy_(grad[:, start : start + (c1 - c0) * w].reshape(B, c1 - c0, w).transpose(0, 1))
         return blocks.view(-1, w)
@@ -462,19 +266,22 @@ class _PackKernel(nn.Module):
         backend = custom_ops.select_backend(self.weight.device, self.weight.dtype)
         return None if backend == "reference" else backend
 
-    def _starts(self, runs: Sequence[_Run]) -> Tensor:
+    def _starts(self, runs: Sequence[Run]) -> Tensor:
         """Output column of each kernel column for these runs (cached: runs are fixed per collection)."""
         key = tuple(runs)
         starts = self._column_starts.get(key)
         if starts is None:
-            cols = [0] * self.num_columns
+            cols = [0] * self.columns.num_columns
             for c0, c1, start in runs:
                 for c in range(c0, c1):
                     cols[c] = start + (c - c0) * self.width
-            starts = self._column_starts[key] = _long(cols, self.weight.device)
+            starts = self._column_starts[key] = long_tensor(cols, self.weight.device)
         return starts
 
-    def lookup_into(self, values: Tensor, plan: _LookupPlan, runs: Sequence[_Run]) -> None:
+    def _mean_columns(self) -> Optional[Tensor]:
+        return self.columns.mean if self.columns.has_mean else None
+
+    def lookup_into(self, values: Tensor, plan: LookupPlan, runs: Sequence[Run]) -> None:
         """Pooled lookup written into ``values``' columns: one custom op call, else ``lookup`` + ``write_columns``."""
         backend = self._op_backend() if values.dtype == torch.float32 else None
         if backend is None:
@@ -484,14 +291,14 @@ class _PackKernel(nn.Module):
             custom_ops.packed_lookup(
                 self.weight, plan.indices, plan.offsets, self._starts(runs), values,
                 row_offsets=plan.row_offsets, per_sample_weights=plan.weights,
-                mean_columns=self._c_mean if self.has_mean else None, column_rows=plan.column_rows, backend=backend,
+                mean_columns=self._mean_columns(), column_rows=plan.column_rows, backend=backend,
             )
         except RuntimeError:
-            self._check_plan_ids(plan)  # an id outside its table: the IndexError naming the field
+            check_plan_ids(self.columns, self.bounds, plan)  # an id outside its table: the IndexError naming the field
             raise
 
     @torch.no_grad()
-    def backward_update_op(self, plan: _LookupPlan, grad: Tensor, runs: Optional[Sequence[_Run]]) -> bool:
+    def backward_update_op(self, plan: LookupPlan, grad: Tensor, runs: Optional[Sequence[Run]]) -> bool:
         """``backward_update`` as one custom op call, reading the pooled gradient in place; ``False`` if not applicable.
 
         ``grad`` is the whole ``[B, sum D]`` output gradient for pooled packs
@@ -507,33 +314,32 @@ class _PackKernel(nn.Module):
         if self.optimizer.hyperparams.get("weight_decay", 0.0) > 0.0:
             return False  # the kernels take no decay: the torch path applies it to the touched rows
         self._count_step()
+        firsts = self.columns.table_first_columns
         if self.group.pooled:
             assert runs is not None
             B = plan.batch_size
-            segments = _long([c * B for c in self._table_first_columns] + [self.num_columns * B], grad.device)
+            segments = long_tensor([c * B for c in firsts] + [self.columns.num_columns * B], grad.device)
         else:
-            first = [0] + list(_cumsum(plan.seq_rows))
-            segments = _long([first[c] for c in self._table_first_columns] + [first[-1]], grad.device)
+            first = [0] + list(cumsum(plan.seq_rows))
+            segments = long_tensor([first[c] for c in firsts] + [first[-1]], grad.device)
         custom_ops.packed_backward_update(
             self.weight, self.state, plan.indices, plan.offsets if self.group.pooled else None,
             grad if grad.stride(-1) == 1 else grad.contiguous(),
             self._starts(runs) if runs is not None else None,
             optimizer=self.optimizer.name, hyperparams=self.optimizer.hyperparams,
             step=self._uniform_step if self._uniform_step is not None else 1,
-            row_offsets=plan.row_offsets, per_sample_weights=plan.weights, mean_columns=self._c_mean if self.has_mean else None,
+            row_offsets=plan.row_offsets, per_sample_weights=plan.weights, mean_columns=self._mean_columns(),
             segments=segments, backend=backend,
         )
         return True
 
     # ------------------------------------------------------- backward/update
     @torch.no_grad()
-    def backward_update(self, plan: _LookupPlan, grad: Tensor) -> None:
+    def backward_update(self, plan: LookupPlan, grad: Tensor) -> None:
         """Sum ``grad`` (``[C * B, width]`` or ``[rows, width]``) into the unique rows of ``plan`` and update them.
 
-        Works block by block (whole tables, about ``sort_block`` ids each): the
-        blocks touch disjoint rows, so the result equals one global pass while
-        each sort and update stays in cache. With ``defer_updates`` the row
-        gradients are kept for ``step()`` instead.
+        Block by block (whole tables, about ``sort_block`` ids each, see :func:`update_blocks`). With
+        ``defer_updates`` the row gradients are kept for ``step()`` instead.
         """
         plan = self._torch_plan(plan)
         if plan.bag_scale is not None:
@@ -541,33 +347,17 @@ class _PackKernel(nn.Module):
         grad = grad.contiguous()
         if not self._defer:
             self._count_step()
-        for e0, e1, g0, g1 in self._blocks(plan):
+        for e0, e1, g0, g1 in update_blocks(self.columns, plan, self.sort_block):
             bag_of = None
             if self.group.pooled:  # bag of each id, relative to the block's first bag
                 bags = torch.arange(g1 - g0, device=grad.device)
                 bag_of = torch.repeat_interleave(bags, plan.lengths[g0:g1], output_size=e1 - e0)
             weights = None if plan.weights is None else plan.weights[e0:e1]
-            rows, grad_rows = _sum_by_row(plan.indices[e0:e1], bag_of, weights, grad[g0:g1])
+            rows, grad_rows = sum_by_row(plan.indices[e0:e1], bag_of, weights, grad[g0:g1])
             if self._defer:
                 self._pending.append((rows, grad_rows))
             else:
                 self._update(rows, grad_rows)
-
-    def _blocks(self, plan: _LookupPlan) -> list[tuple[int, int, int, int]]:
-        """``(first id, end id, first grad row, end grad row)`` per block of whole tables."""
-        if self.group.pooled:
-            B = plan.batch_size
-            column_start = plan.offsets[:: max(B, 1)].tolist() if B > 0 else [0] * (self.num_columns + 1)
-            grad_start = [c * B for c in range(self.num_columns + 1)]
-        else:
-            column_start = [0] + list(_cumsum(plan.seq_rows))
-            grad_start = column_start
-        blocks, c0 = [], 0
-        for c in self._table_first_columns[1:] + [self.num_columns]:
-            if column_start[c] - column_start[c0] >= self.sort_block or c == self.num_columns:
-                blocks.append((column_start[c0], column_start[c], grad_start[c0], grad_start[c]))
-                c0 = c
-        return blocks
 
     @torch.no_grad()
     def step(self) -> None:
@@ -589,7 +379,7 @@ class _PackKernel(nn.Module):
         rows = torch.cat([r.long() for r, _ in self._pending])
         grads = torch.cat([g for _, g in self._pending])
         self._pending.clear()
-        self.apply_rows(*_sum_by_row(rows, None, None, grads))
+        self.apply_rows(*sum_by_row(rows, None, None, grads))
 
     def discard_pending(self) -> None:
         """Drop deferred gradients without applying them."""
@@ -609,18 +399,7 @@ class _PackKernel(nn.Module):
         """Apply the optimizer to unique ``rows`` for the step already counted."""
         if rows.numel() == 0:
             return
-        rows = rows.long()
-        table = None
-        if not self.uniform or self._uniform_step is None:
-            table = torch.searchsorted(self._t_storage_start, rows, right=True) - 1
-        if self.uniform:
-            logical, segment, row_dim = rows, None, self.width
-        else:
-            logical = self._t_row_start[table] + (rows - self._t_storage_start[table]) // self._t_sub_rows[table]
-            logical, segment = torch.unique_consecutive(logical, return_inverse=True)
-            row_dim = (self._t_sub_rows[table] * self.width).to(torch.float32)
-        step = self._uniform_step if self._uniform_step is not None else self.steps[table]
-        upd = RowUpdate(rows=rows, grad=grad_rows, logical_rows=logical, segment=segment, row_dim=row_dim, step=step)
+        upd = row_update(self.columns, rows, grad_rows, self._uniform_step, self.steps)
         self.optimizer.update(self.weight.data if self.mode == "autograd" else self.weight, self.state, upd)
 
 
@@ -633,7 +412,7 @@ class _PooledLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, values: Tensor, anchor: Tensor, kernel: _PackKernel, plan: _LookupPlan, runs: Sequence[_Run]) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, values: Tensor, anchor: Tensor, kernel: _PackKernel, plan: LookupPlan, runs: Sequence[Run]) -> Tensor:  # type: ignore[override]
         kernel.lookup_into(values, plan, runs)
         ctx.mark_dirty(values)
         ctx.kernel, ctx.plan, ctx.runs = kernel, plan, runs
@@ -653,7 +432,7 @@ class _SequenceLookup(torch.autograd.Function):
     """Sequence pack lookup (one row per id); backward applies the sparse optimizer."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, kernel: _PackKernel, plan: _LookupPlan) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchor: Tensor, kernel: _PackKernel, plan: LookupPlan) -> Tensor:  # type: ignore[override]
         ctx.kernel, ctx.plan = kernel, plan
         return kernel.lookup(plan)
 
@@ -778,15 +557,15 @@ class PackedEmbeddingCollection(nn.Module):
             f for s in self.specs if s.pooling == "none" for f in s.feature_names
         )
         dims = [s.embedding_dim for _, s in pooled]
-        self.column_offsets: tuple[int, ...] = tuple([0] + list(_cumsum(dims)))
+        self.column_offsets: tuple[int, ...] = tuple([0] + list(cumsum(dims)))
         # output assembly: each pooled pack copies runs of its columns straight into the output
         feature_kernel = {f: (gi, fi) for gi, k in enumerate(self.kernels) for fi, (f, _) in enumerate(k.features)}
-        self._runs: dict[int, list[_Run]] = {}
+        self._runs: dict[int, list[Run]] = {}
         previous, start = None, 0
         for f, s in pooled:
             gi, fi = feature_kernel[f]
             kernel = self.kernels[gi]
-            c0 = kernel.feature_first_column[fi]
+            c0 = kernel.columns.feature_first_column[fi]
             c1 = c0 + s.embedding_dim // kernel.width
             runs = self._runs.setdefault(gi, [])
             if previous == gi and runs[-1][1] == c0:
@@ -965,7 +744,7 @@ class PackedEmbeddingCollection(nn.Module):
             raise KeyError(f"batch lacks features {missing} (batch keys: {list(batch.keys)[:20]})")
         result = []
         for kernel in self.kernels:
-            ids = [index[kernel.features[owner][0]] for owner in kernel.column_owner]
+            ids = [index[kernel.features[owner][0]] for owner in kernel.columns.column_owner]
             consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
             result.append((torch.tensor(ids, dtype=torch.long, device=batch.values.device), ids[0] if consecutive else None))
         self._keys_cache = (batch.keys, result)
@@ -1029,41 +808,3 @@ class PackedEmbeddingCollection(nn.Module):
             for g in self.groups
         )
         return f"mode={self.mode}, tables={len(self.specs)}, packs={len(self.groups)}: {packs}"
-
-
-def _sum_by_row(
-    indices: Tensor, bag_of: Optional[Tensor], weights: Optional[Tensor], grad: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Unique rows of ``indices`` (ascending) and ``sum_i w_i * grad[bag_of[i]]`` per row.
-
-    Sorting the indices turns the scatter into segments, and one ``embedding_bag``
-    over ``grad`` (gather, weight, segment-sum in a single pass) produces the
-    ``[unique, width]`` row gradients without materialising ``[N, width]``.
-    """
-    if indices.numel() == 0:
-        return indices.new_zeros(0, dtype=torch.int64), grad.new_zeros(0, grad.shape[1])
-    sorted_idx, perm = torch.sort(indices, stable=True)  # stable int sort is the radix path on CPU
-    rows, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
-    segments = _offsets(counts)
-    sources = perm if bag_of is None else bag_of.index_select(0, perm)
-    w = None if weights is None else weights.index_select(0, perm).to(grad.dtype)
-    summed = F.embedding_bag(sources, grad, segments, mode="sum", per_sample_weights=w, include_last_offset=True)
-    return rows, summed
-
-
-def _offsets(lengths: Tensor) -> Tensor:
-    """``[n]`` lengths -> ``[n + 1]`` int64 offsets with a leading zero."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths, 0, dtype=torch.int64, out=out[1:])
-    return out
-
-
-def _long(values: Sequence[int], device: Optional[torch.device]) -> Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
-
-
-def _cumsum(values: Sequence[int]) -> Iterator[int]:
-    total = 0
-    for v in values:
-        total += v
-        yield total

@@ -137,8 +137,8 @@ def test_int64_index_path_matches_and_leaves_the_batch_intact():
     wide = PackedEmbeddingCollection(specs)
     wide.load_state_dict(emb.state_dict())
     for kernel in wide.kernels:
-        kernel.index_dtype = torch.int64
-        kernel._c_add = kernel._c_add.long()
+        kernel.columns.index_dtype = torch.int64
+        kernel.columns.add = kernel.columns.add.long()
     batch = make_batch(specs, seed=9, keys=SPEC_KEYS)
     values_before = batch.values.clone()
     with torch.no_grad():
