@@ -1,6 +1,19 @@
 """The whole system against what a user would pick instead, and the cache behind a slow link (issue 13 items 3, 6).
 
-Section ``rivals``: on one synthetic stream (``picasso_ops.data.synthetic``, planted teacher, one
+Section ``rivals``: our rec job against torchrec at several shapes (default F=26 x 100,000, F=200 x
+10,000 and F=1,000 x 1,000 rows, ``--shapes``), every variant of :data:`RIVAL_VARIANTS` (torchrec
+table-wise, column-wise and row-wise with ``TrainPipelineSparseDist``; ours with the planner's
+choice, ``picasso.sharding: "auto"``, and with data-parallel tables) run ``--reps`` times,
+alternated (A B C ... A B C ...); the table gives medians and ranges, each of ours against the
+fastest torchrec sharding of its shape (paired by repetition), and the AUC of every run. The
+model, stream, initialisation and optimizers are those of the section ``stragglers`` below.
+
+Section ``waits``: the same alternated plan over our job alone (:data:`WAIT_VARIANTS`): DeepSpeed's
+ZeRO stage, ``overlap_comm``, ``contiguous_gradients`` and bucket sizes for the dense all-reduce,
+and the data stream read ahead on a thread (``picasso.interleave.prefetch_batches``), each against
+the rivals' setting (ZeRO 0, no prefetch).
+
+Section ``stragglers`` (was ``rivals``): on one synthetic stream (``picasso_ops.data.synthetic``, planted teacher, one
 seed), one model shape (DLRM: bottom 13-64-16, dot interactions, top 367-128-64-1; F fields of
 ``vocab`` x 16 rows, sum pooling, 1-3 ids per field) and one optimizer pair (tables: row-wise
 Adagrad at ``--table-lr``; dense layers: AdamW at ``--dense-lr``, no schedule, no clipping), 2
@@ -26,7 +39,7 @@ Section ``cache``: 2 workers + 1 server, F fields, packed tables on the server (
 sync mode), the picasso cache (``store: "ps"``) at 10% of the rows against no cache, at one-way link latencies of 0, 0.5
 and 2 ms (train_rec's ``--ps-link-latency-ms``); samples/s, AUC and bytes moved of each.
 
-Section ``profile``: where train_rec's step goes (packing-only picasso block, 2 ranks): each rank under
+Section ``profile``: where train_rec's step goes (``--profile-variant``, one of ours; 2 ranks): each rank under
 ``py-spy record --idle`` (waits in collectives count), the samples inside ``train_loop`` split by
 :data:`STEP_PARTS` (data generation, the table kernels and their exchange, DeepSpeed's engine, the
 dense all-reduce, the loop itself). py-spy is not a dependency: ``pip install --target /tmp/pyspy
@@ -35,7 +48,8 @@ py-spy`` and pass ``--py-spy /tmp/pyspy/bin/py-spy``.
 Run::
 
     .venv/bin/python benchmarks/system.py                      # rivals and cache, writes RESULTS.md
-    .venv/bin/python benchmarks/system.py --sections rivals    # one section
+    .venv/bin/python benchmarks/system.py --sections rivals --reps 3    # three shapes, alternated
+    .venv/bin/python benchmarks/system.py --sections rivals --shapes 200x10000:100 --only "torchrec table_wise" "ours auto"
     .venv/bin/python benchmarks/system.py --sections profile --py-spy /tmp/pyspy/bin/py-spy
     .venv/bin/python benchmarks/system.py --quick --sections rivals   # a minute, tiny shapes, prints only
 """
@@ -60,6 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 RIVALS_SECTION = "## One system against torchrec and plain DeepSpeed (issue 13 item 6)"
 PROFILE_SECTION = "## Where train_rec's step goes (issue 13 item 6)"
+PROFILE_SECTION_29 = "## Where train_rec's step goes, rerun for the sharded and pipelined step (issue 29)"
 CACHE_SECTION = "## The cache in front of the parameter servers behind a slow link (issue 13 item 3)"
 TORCHREC_SHARDINGS = ("row_wise", "table_wise", "column_wise", "data_parallel")
 SLOW_VARIANTS = ("torchrec data_parallel", "deepspeed per-field")  # dense 100k-row tables: run fewer steps
@@ -134,6 +149,7 @@ def torchrec_rank(rank: int, world_size: int, shape: Shape, sharding: str, steps
 
     from picasso_ops.data.synthetic import SyntheticCTRStream
 
+    t_setup = time.perf_counter()
     torch.manual_seed(shape.seed)
     keys = [f"f{i}" for i in range(shape.fields)]
     tables = [EmbeddingBagConfig(num_embeddings=shape.vocab, embedding_dim=shape.dim, name=f"t{i}",
@@ -164,6 +180,7 @@ def torchrec_rank(rank: int, world_size: int, shape: Shape, sharding: str, steps
     step_times: list[float] = []
     model.train()
     t0 = time.perf_counter()
+    setup_s = t0 - t_setup
     for step in range(steps):
         ts = time.perf_counter()
         try:
@@ -176,7 +193,14 @@ def torchrec_rank(rank: int, world_size: int, shape: Shape, sharding: str, steps
     train_s = time.perf_counter() - t0
     scores, labels = _torchrec_scores(pipeline.detach(), cfg, shape, rank, world_size, keys)
     return {"samples": len(step_times) * shape.micro_batch, "train_s": train_s, "scores": scores, "labels": labels,
-            "delay_s": sleep_s[0]}
+            "delay_s": sleep_s[0], "setup_s": setup_s, "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _sharder(base: type, fused: dict[str, Any], sharding: str) -> Any:
@@ -223,7 +247,8 @@ def run_torchrec(shape: Shape, sharding: str, steps: int, straggler: bool) -> di
     samples, slowest = sum(r["samples"] for r in ranks), max(r["train_s"] for r in ranks)
     scores, labels = torch.cat([r["scores"] for r in ranks]), torch.cat([r["labels"] for r in ranks])
     return {"samples": samples, "samples_per_s": samples / slowest, "auc": auc(scores, labels),
-            "eval_samples": int(labels.numel()), "delay_s": max(r["delay_s"] for r in ranks)}
+            "eval_samples": int(labels.numel()), "delay_s": max(r["delay_s"] for r in ranks),
+            "setup_s": max(r["setup_s"] for r in ranks), "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks)}
 
 
 # --------------------------------------------------------------------------------------------- train_rec
@@ -259,13 +284,31 @@ def train_rec_argv(config: Path, out: Path, shape: Shape, steps: int, straggler:
     return argv
 
 
+class _Capture(logging.Handler):
+    """Keeps the messages of one logger (the sharding planner's plan, logged once on rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def train_rec_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
-    """``train_rec.train`` on this rank (``run_distributed`` set the launcher's environment)."""
+    """``train_rec.train`` on this rank (``run_distributed`` set the launcher's environment).
+
+    The summary, with the planner's logged plan (``plan_log``, rank 0) and this rank's peak memory.
+    """
     os.environ.setdefault("WANDB_MODE", "disabled")
     logging.getLogger("sparse_scale.rec.notice").setLevel(logging.WARNING)
+    planner_log, capture = logging.getLogger("picasso_ops.distributed.planner"), _Capture()
+    planner_log.setLevel(logging.INFO)
+    planner_log.addHandler(capture)
     from sparse_scale.rec import cli
 
-    return cli.train(cli.parse_args(argv))
+    summary = dict(cli.train(cli.parse_args(argv)))
+    return summary | {"plan_log": capture.messages, "peak_rss_mb": peak_rss_mb()}
 
 
 def run_train_rec(workdir: Path, name: str, cfg: dict[str, Any], shape: Shape, steps: int, straggler: bool,
@@ -277,13 +320,47 @@ def run_train_rec(workdir: Path, name: str, cfg: dict[str, Any], shape: Shape, s
     config = workdir / f"{slug}.json"
     config.write_text(json.dumps(cfg, indent=1))
     argv = train_rec_argv(config, workdir / slug, shape, steps, straggler, extra)
-    results = run_distributed(train_rec_rank, world_size, args=(argv,), timeout_s=RUN_TIMEOUT_S,
-                              init_process_group=False)
+    started = time.time() - 1.0
+    try:
+        results = run_distributed(train_rec_rank, world_size, args=(argv,), timeout_s=RUN_TIMEOUT_S,
+                                  init_process_group=False)
+    finally:
+        remove_leaked_shm(started)
     summary = results[0]
     return {"samples": summary["samples"], "samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
             "eval_samples": int(summary["eval_samples"]), "bayes_auc": summary.get("bayes_auc"),
-            "gba": summary.get("gba"), "picasso": summary.get("picasso"),
+            "gba": summary.get("gba"), "picasso": summary.get("picasso"), "plan_log": summary.get("plan_log"),
+            "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in results if r),
             "command": "launch/train_rec.py " + " ".join(a for a in argv)}
+
+
+def remove_leaked_shm(since: float) -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers (66 MB of /dev/shm per rank) created since ``since`` and mapped
+    by no process any more: DeepSpeed leaves them behind when its ranks exit, and many runs fill the tmpfs."""
+    import glob
+
+    paths = [p for p in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*") if _mtime(p) >= since]
+    if not paths:
+        return
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            mapped.update(ln.split(None, 5)[-1].strip() for ln in open(maps) if "deepspeed_allreduce_buffer_" in ln)
+        except OSError:
+            continue
+    for path in paths:
+        if path not in mapped:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -math.inf
 
 
 def gba_refusal(shape: Shape, mode: str) -> str | None:
@@ -315,6 +392,9 @@ class Row:
     steps: int
     result: dict[str, Any] | None = None
     failed: str | None = None
+    shape: str = ""  # "F x rows" of the run (sections that cover several shapes)
+    rep: int = 0  # repetition of an alternated plan
+    wall_s: float = math.nan  # the whole run: start of the ranks, setup, training, scoring
 
     @property
     def ok(self) -> bool:
@@ -337,16 +417,17 @@ def _attempt(row: Row, fn: Any, *args: Any, **kwargs: Any) -> Row:
             if RENDEZVOUS_TIMEOUT not in row.failed:
                 break
             print(f"{row.variant}: the ranks did not meet in time ({row.failed}); trying once more", flush=True)
+    row.wall_s = time.perf_counter() - t0
     state = f"{row.result['samples_per_s']:,.0f} samples/s, AUC {row.result['auc']:.4f}" if row.ok else \
         f"failed: {row.failed}"
-    print(f"{row.variant}{' (straggler)' if row.straggler else ''}: {state} [{time.perf_counter() - t0:.0f} s]",
-          flush=True)
+    where = f" [{row.shape}, rep {row.rep}]" if row.shape else ""
+    print(f"{row.variant}{' (straggler)' if row.straggler else ''}{where}: {state} [{row.wall_s:.0f} s]", flush=True)
     return row
 
 
-def rivals(shape: Shape, workdir: Path, shardings: Sequence[str], with_straggler: bool,
-           only: Sequence[str] = ()) -> list[Row]:
-    """Section ``rivals``: every variant without, then (``with_straggler``) with the straggler.
+def stragglers(shape: Shape, workdir: Path, shardings: Sequence[str], with_straggler: bool,
+               only: Sequence[str] = ()) -> list[Row]:
+    """Section ``stragglers``: every variant once without, then (``with_straggler``) with the straggler.
 
     ``only``: run just the variants of these names (e.g. ``["ours packed, gba sync", "ours packed, gba auto"]``).
     """
@@ -377,6 +458,239 @@ def rivals(shape: Shape, workdir: Path, shardings: Sequence[str], with_straggler
             continue
         rows.append(_attempt(row, fn, *args, **kwargs))
     return rows
+
+# --------------------------------------------------------------------------------------------- alternated matrix
+
+THREE_SHAPES_SECTION = "## Three shapes against torchrec, variants alternated (issue 29 item 4)"
+WAITS_SECTION = "## The other waits of the rec job's step: dense all-reduce and data stream (issue 29 item 3)"
+# "F x rows : steps : held-out samples" (held-out: a multiple of 2 x 256; DLRM's interactions grow as F^2)
+RIVAL_SHAPES = ("26x100000:400:32768", "200x10000:30:8192", "1000x1000:6:1024")  # ~35 min on 2 shared cores
+WAIT_SHAPES = ("26x100000:400:32768",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One column of an alternated plan: a torchrec sharding, or the rec job with overrides of its blocks."""
+
+    name: str
+    torchrec: str | None = None  # torchrec's sharding type (None: our rec job)
+    picasso: dict[str, Any] = dataclasses.field(default_factory=dict)  # merged into the picasso block
+    deepspeed: dict[str, Any] = dataclasses.field(default_factory=dict)  # merged into the DeepSpeed JSON
+
+
+RIVAL_VARIANTS = (
+    Variant("torchrec table_wise", torchrec="table_wise"),
+    Variant("torchrec column_wise", torchrec="column_wise"),
+    Variant("torchrec row_wise", torchrec="row_wise"),
+    Variant("ours auto", picasso={"sharding": "auto"}),  # the planner's choice
+    Variant("ours auto, pipelined", picasso={"sharding": "auto", "pipeline": True}),  # + the sparse-dist pipeline
+    Variant("ours data_parallel", picasso={"sharding": "data_parallel"}),
+)
+OPTIONAL_VARIANTS = (  # by name through --only
+    Variant("ours row_wise", picasso={"sharding": "row_wise"}),
+    Variant("ours row_wise, pipelined", picasso={"sharding": "row_wise", "pipeline": True}),
+)
+WAIT_VARIANTS = (
+    Variant("ZeRO 0", deepspeed={"zero_optimization": {"stage": 0}}),  # the rivals' setting
+    Variant("ZeRO 1", deepspeed={"zero_optimization": {"stage": 1}}),  # ds_configs/rec_*_cpu.json
+    Variant("ZeRO 1, overlap_comm, 20k buckets", deepspeed={"zero_optimization": {
+        "stage": 1, "overlap_comm": True, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000}}),
+    Variant("ZeRO 2, no overlap, 20k buckets", deepspeed={"zero_optimization": {
+        "stage": 2, "overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 20_000,
+        "allgather_bucket_size": 20_000}}),
+    Variant("ZeRO 2, overlap_comm, contiguous, 20k buckets", deepspeed={"zero_optimization": {
+        "stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 20_000,
+        "allgather_bucket_size": 20_000}}),
+    Variant("ZeRO 0, prefetch 2", picasso={"interleave": {"prefetch_batches": 2}}),
+)
+
+
+def parse_shape(spec: str, base: Shape) -> Shape:
+    """``"FxROWS"``, ``"FxROWS:STEPS"`` or ``"FxROWS:STEPS:EVAL"`` as a Shape (the rest from ``base``).
+
+        >>> parse_shape("200x10000:200:32768", Shape()).fields
+        200
+    """
+    parts = spec.split(":")
+    try:
+        fields, vocab = (int(x) for x in parts[0].lower().split("x"))
+        steps = int(parts[1]) if len(parts) > 1 else base.steps
+        eval_samples = int(parts[2]) if len(parts) > 2 else base.eval_samples
+    except ValueError:
+        raise SystemExit(f"benchmarks/system.py: shape {spec!r} is not FxROWS[:STEPS[:EVAL]] (e.g. 26x100000:600)")
+    if len(parts) > 3 or min(fields, vocab, steps, eval_samples) < 1 or eval_samples % (2 * base.micro_batch):
+        raise SystemExit(f"benchmarks/system.py: shape {spec!r}: positive F, rows and steps, and held-out samples a "
+                         f"multiple of {2 * base.micro_batch} (2 ranks x micro-batch) expected")
+    return dataclasses.replace(base, fields=fields, vocab=vocab, steps=steps, eval_samples=eval_samples)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, nested dicts merged key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def variant_config(shape: Shape, v: Variant) -> dict[str, Any]:
+    """The rec job's DeepSpeed JSON for ``v``: :func:`ds_config` with the variant's overrides."""
+    cfg = ds_config(shape, True)
+    cfg["picasso"] = _merge(cfg["picasso"], v.picasso)
+    return _merge(cfg, v.deepspeed)
+
+
+def oom_kills_since(uptime_s: float) -> list[str]:
+    """The kernel's OOM-kill lines logged after ``uptime_s`` (seconds since boot); [] where dmesg is unreadable."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    out = []
+    for line in text.splitlines():
+        if "Out of memory: Killed process" in line and line.startswith("["):
+            stamp = line[1:line.index("]")].strip()
+            if stamp.replace(".", "", 1).isdigit() and float(stamp) >= uptime_s:
+                out.append(line[line.index("]") + 1:].strip())
+    return out
+
+
+def _uptime_s() -> float:
+    try:
+        return float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return math.inf
+
+
+def matrix(shapes: Sequence[Shape], variants: Sequence[Variant], reps: int, workdir: Path) -> list[Row]:
+    """Every variant at every shape, ``reps`` times, alternated (A B C A B C ...): one Row per run.
+
+    A variant that failed at a shape for another reason than a late rendezvous is not rerun there
+    (its later repetitions are rows that say so).
+    """
+    rows: list[Row] = []
+    for shape in shapes:
+        where = f"{shape.fields} x {shape.vocab:,}"
+        broken: dict[str, str] = {}
+        for rep in range(reps):
+            for v in variants:
+                row = Row(v.name, False, shape.steps, shape=where, rep=rep)
+                if v.name in broken:
+                    row.failed = f"not rerun: {broken[v.name]}"
+                    rows.append(row)
+                    continue
+                since = _uptime_s()
+                if v.torchrec is not None:
+                    _attempt(row, run_torchrec, shape, v.torchrec, shape.steps, False)
+                else:
+                    slug = f"{v.name}_{shape.fields}_{rep}".replace(" ", "_").replace(",", "")
+                    _attempt(row, run_train_rec, workdir, slug, variant_config(shape, v), shape, shape.steps, False)
+                if not row.ok:
+                    kills = oom_kills_since(since)
+                    if kills:
+                        row.failed = f"{row.failed} (kernel: {kills[-1][:160]})"
+                    broken[v.name] = f"failed in repetition {rep + 1}"
+                rows.append(row)
+    return rows
+
+
+def _spread(vals: Sequence[float], fmt: str) -> str:
+    if not vals:
+        return "-"
+    med = format(statistics.median(vals), fmt)
+    return med if len(vals) == 1 else f"{med} ({format(min(vals), fmt)}-{format(max(vals), fmt)})"
+
+
+def matrix_table(rows: Sequence[Row], anchor: str, target: float | None) -> str:
+    """Markdown: per shape and variant, medians and ranges over the repetitions; then each ours against the anchor.
+
+    ``anchor``: a variant name, or a prefix ending in ``*`` (the fastest of those variants at each
+    shape by median samples/s, e.g. ``"torchrec *"``). ``target``: the samples/s ratio each other
+    variant should reach, with |dAUC| <= 0.001 (None: no verdict, the ratio only).
+    """
+    head = ["F x rows", "variant", "runs", "steps", "samples/s, median (range)", "x anchor, paired (range)", "AUC, median (range)",
+            "dAUC vs anchor", "setup s", "peak MB/rank", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    verdict: list[str] = []
+    for where in dict.fromkeys(r.shape for r in rows):
+        at = [r for r in rows if r.shape == where]
+        by: dict[str, list[Row]] = {}
+        for r in at:
+            by.setdefault(r.variant, []).append(r)
+        rate = {n: [r.result["samples_per_s"] for r in g if r.ok] for n, g in by.items()}
+        if anchor.endswith("*"):
+            pool = [n for n in by if n.startswith(anchor[:-1]) and rate[n]]
+            best = max(pool, key=lambda n: statistics.median(rate[n])) if pool else None
+        else:
+            best = anchor if rate.get(anchor) else None
+        base_by_rep = {r.rep: r.result for r in by.get(best, []) if r.ok} if best else {}
+        base_auc = statistics.median([x["auc"] for x in base_by_rep.values()]) if base_by_rep else math.nan
+        for name, group in by.items():
+            ok = [r for r in group if r.ok]
+            paired = [r.result["samples_per_s"] / base_by_rep[r.rep]["samples_per_s"] for r in ok
+                      if r.rep in base_by_rep]
+            aucs = [r.result["auc"] for r in ok]
+            dauc = statistics.median(aucs) - base_auc if aucs and base_auc == base_auc else math.nan
+            setup = [r.result["setup_s"] for r in ok if r.result.get("setup_s") is not None]
+            rss = [r.result["peak_rss_mb"] for r in ok if r.result.get("peak_rss_mb")]
+            notes = list(dict.fromkeys(r.failed for r in group if not r.ok))
+            plans = list(dict.fromkeys(_plan_text(r.result) for r in ok if _plan_text(r.result)))
+            tag = " (anchor)" if name == best else ""
+            lines.append("| " + " | ".join([
+                where, name + tag, f"{len(ok)}/{len(group)}", str(group[0].steps), _spread(rate[name], ",.0f"),
+                _spread(paired, ".2f") if name != best else "1", _spread(aucs, ".4f"),
+                f"{dauc:+.4f}" if dauc == dauc and name != best else "-", _spread(setup, ".1f"),
+                f"{max(rss):,.0f}" if rss else "-", "; ".join(plans + notes)]) + " |")
+            if name == best or name.startswith("torchrec") or not ok or not rate.get(best or ""):
+                continue
+            speed = statistics.median(rate[name]) / statistics.median(rate[best])
+            if target is None:
+                verdict.append(f"- {where}, {name} / {best}: **{speed:.2f}x** samples/s (medians; paired "
+                               f"{_spread(paired, '.2f')}), AUC {dauc:+.4f}.")
+            else:
+                hit = speed >= target and abs(dauc) <= 0.001
+                verdict.append(f"- {where}, {name} / {best}: **{speed:.2f}x** samples/s (medians; paired "
+                               f"{_spread(paired, '.2f')}), AUC {dauc:+.4f} (target >= {target:g}x at |dAUC| <= "
+                               f"0.001): **{'hit' if hit else 'miss'}**.")
+        if best is None:
+            verdict.append(f"- {where}: no {anchor} run finished; no ratio.")
+    return "\n".join(lines + ["", *verdict])
+
+
+def _plan_text(result: dict[str, Any]) -> str:
+    """The planner's counts from the job's logged plan, e.g. ``"plan: 26 data_parallel, 0 row_wise"``."""
+    import re
+
+    for msg in result.get("plan_log") or []:
+        found = re.search(r"\((\d+ data_parallel, \d+ row_wise)\)", msg.split("\n")[0])
+        if msg.startswith("sharding plan") and found:
+            return "plan: " + found.group(1)
+    return ""
+
+
+def matrix_header(command: str, shapes: Sequence[Shape], reps: int, started: str, load_before: tuple[float, ...],
+                  load_after: tuple[float, ...], minutes: float) -> str:
+    """The section's command, machine, load and setup."""
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor() or "?")
+    sizes = "; ".join(f"{s.fields} x {s.vocab:,} rows: {s.steps} steps, {s.eval_samples:,} held-out samples"
+                      for s in shapes)
+    b = shapes[0]
+    return (f"Command: `{command}` ({platform.machine()} {cpu}, {os.cpu_count()} cores, torch {torch.__version__}; "
+            f"{started}, {minutes:.1f} min; load average (1/5/15 min) before "
+            f"{'/'.join(f'{x:.1f}' for x in load_before)}, after {'/'.join(f'{x:.1f}' for x in load_after)}; other "
+            f"helpers' jobs shared the machine).\n\nSetup: DLRM (bottom 13-64-{b.dim}, dot interactions, top 128-64-1), "
+            f"dim {b.dim}, micro-batch {b.micro_batch} per rank, 2 gloo ranks x 1 torch thread, seed {b.seed}, the same "
+            f"synthetic stream and N(0, 0.01) table init for every variant; tables row-wise Adagrad lr "
+            f"{b.table_lr:g} (eps 1e-8), dense AdamW lr {b.dense_lr:g} (no schedule, no clipping; ours: DeepSpeed "
+            f"ZeRO 0 unless the variant says); torchrec 1.8 `DistributedModelParallel` + `TrainPipelineSparseDist` "
+            f"(row_wise through a sharder that offers it on CPU). {sizes}. {reps} repetitions, variants alternated "
+            f"in the order of the table; samples/s = training samples over the slowest rank's training-loop wall "
+            f"time (batch generation included, setup and scoring not); \"x anchor, paired\" = each run over the "
+            f"anchor's run of the same repetition; setup s = torchrec's sharding plan and model build (ours: -).")
 
 
 def cache_flags_missing() -> list[str]:
@@ -447,14 +761,16 @@ def step_breakdown(raw_lines: Sequence[str]) -> dict[str, int]:
     return counts
 
 
-def profile_train_rec(shape: Shape, workdir: Path, py_spy: str, steps: int) -> dict[str, Any]:
-    """train_rec (packing-only picasso block, 2 ranks) with each rank under ``py-spy record --idle``: the breakdown."""
+def profile_train_rec(shape: Shape, workdir: Path, py_spy: str, steps: int, cfg: dict[str, Any] | None = None,
+                      variant: str = "ours packed") -> dict[str, Any]:
+    """train_rec (``cfg``: default a packing-only picasso block; 2 ranks) with each rank under ``py-spy record
+    --idle``: the breakdown."""
     import subprocess
 
     from sparse_scale.multiproc import free_port
 
     config = workdir / "profile.json"
-    config.write_text(json.dumps(ds_config(shape, True)))
+    config.write_text(json.dumps(cfg if cfg is not None else ds_config(shape, True)))
     argv = train_rec_argv(config, workdir / "profile", shape, steps, straggler=False)
     port, procs = free_port(), []
     for rank in range(2):
@@ -471,7 +787,8 @@ def profile_train_rec(shape: Shape, workdir: Path, py_spy: str, steps: int) -> d
     summary = json.loads((workdir / "profile" / "summary.json").read_text())
     per_rank = [step_breakdown((workdir / f"rank{r}.txt").read_text().splitlines()) for r in range(2)]
     return {"samples_per_s": summary["samples_per_s"], "steps": steps, "ranks": per_rank,
-            "command": "launch/train_rec.py " + " ".join(argv)}
+            "command": "launch/train_rec.py " + " ".join(argv), "variant": variant,
+            "config": json.loads(config.read_text())}
 
 
 def profile_table(prof: dict[str, Any]) -> str:
@@ -482,8 +799,10 @@ def profile_table(prof: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{100 * r[name] / t:.1f}%" for r, t in zip(prof["ranks"], totals))
                      + " |")
     lines.append(f"| (py-spy samples in the loop, 100/s) | {totals[0]:,} | {totals[1]:,} |")
-    lines += ["", f"samples/s of the profiled run: {prof['samples_per_s']:,.0f} (py-spy slows it a little); "
-              f"`{prof['command']}`."]
+    lines += ["", f"Variant {prof.get('variant', 'ours packed')!r}; samples/s of the profiled run: "
+              f"{prof['samples_per_s']:,.0f} (py-spy slows it a little); `{prof['command']}`; its DeepSpeed JSON's "
+              f"picasso block `{json.dumps((prof.get('config') or {}).get('picasso'))}`, zero_optimization "
+              f"`{json.dumps((prof.get('config') or {}).get('zero_optimization'))}`."]
     return "\n".join(lines)
 
 
@@ -807,14 +1126,17 @@ def header(command: str, shape: Shape, started: str, load_before: tuple[float, .
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--sections", nargs="+", choices=["rivals", "cache", "profile", "auto"],
+    p.add_argument("--sections", nargs="+", choices=["rivals", "waits", "stragglers", "cache", "profile", "auto"],
                    default=["rivals", "cache"])
+    p.add_argument("--shapes", nargs="+", default=None, metavar="FxROWS[:STEPS[:EVAL]]",
+                   help=f"rivals / waits: shapes (default rivals {' '.join(RIVAL_SHAPES)}, waits {' '.join(WAIT_SHAPES)})")
     p.add_argument("--steps", type=int, default=Shape.steps)
     p.add_argument("--slow-steps", type=int, default=Shape.slow_steps,
                    help=f"steps of {', '.join(SLOW_VARIANTS)} (dense tables: slow)")
     p.add_argument("--shardings", nargs="+", choices=TORCHREC_SHARDINGS, default=list(TORCHREC_SHARDINGS))
     p.add_argument("--only", nargs="+", default=[], metavar="VARIANT",
-                   help='rivals: only these variants (e.g. "torchrec table_wise" "ours packed")')
+                   help='rivals, waits, stragglers: only these variants (e.g. "torchrec table_wise" "ours auto"; '
+                        f'rivals also knows {", ".join(repr(v.name) for v in OPTIONAL_VARIANTS)})')
     p.add_argument("--no-straggler", action="store_true", help="skip the straggler runs")
     p.add_argument("--cache-fields", type=int, default=200, help="fields of the cache section")
     p.add_argument("--cache-vocab", type=int, default=10_000, help="rows per field of the cache section")
@@ -823,13 +1145,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="bandwidth of the modelled link in the cache section, Mbit/s (0: latency only)")
     p.add_argument("--py-spy", default="py-spy", help="py-spy executable (--sections profile)")
     p.add_argument("--profile-steps", type=int, default=400)
-    p.add_argument("--reps", type=int, default=2, help="auto: repetitions of the alternating plan (medians)")
+    p.add_argument("--profile-variant", default="ours data_parallel",
+                   help="profile: which of the rivals' or waits' variants of ours to profile")
+    p.add_argument("--reps", type=int, default=None,
+                   help="auto, rivals, waits: repetitions of the alternating plan (medians; default 2 auto, 3 else)")
     p.add_argument("--places", nargs="+", choices=SLOW_PLACES, default=list(SLOW_PLACES),
                    help="auto: where worker 1 is slowed, one run per place")
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few steps, prints only (smoke test)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    known = {v.name: v for v in (*RIVAL_VARIANTS, *OPTIONAL_VARIANTS, *WAIT_VARIANTS)}
+    if args.profile_variant not in known or known[args.profile_variant].torchrec:
+        p.error(f"--profile-variant {args.profile_variant!r}: one of ours: "
+                f"{', '.join(n for n, v in known.items() if not v.torchrec)}")
+    unknown = [n for n in args.only if n not in known and not n.startswith(("torchrec ", "ours packed", "deepspeed"))]
+    if unknown:
+        p.error(f"--only: unknown variant(s) {unknown}; known: {', '.join(known)}")
+    reps = 1 if args.quick else (args.reps or 0)
     if args.quick:
         shape = Shape(vocab=100, steps=30, slow_steps=30, eval_samples=4096)
         cache_shape = dataclasses.replace(shape, fields=26)
@@ -838,19 +1171,37 @@ def main(argv: Sequence[str] | None = None) -> None:
         cache_shape = dataclasses.replace(shape, fields=args.cache_fields, vocab=args.cache_vocab)
     command = shlex.join([".venv/bin/python", "benchmarks/system.py", *(sys.argv[1:] if argv is None else argv)])
     out: dict[str, Any] = {}
-    sections = [("rivals", RIVALS_SECTION, shape, rivals_table), ("cache", CACHE_SECTION, cache_shape, cache_table),
-                ("profile", PROFILE_SECTION, shape, profile_table), ("auto", AUTO_SECTION, shape, auto_table)]
+    sections = [("rivals", THREE_SHAPES_SECTION, shape, lambda rows: matrix_table(rows, "torchrec *", 1.5)),
+                ("waits", WAITS_SECTION, shape, lambda rows: matrix_table(rows, WAIT_VARIANTS[0].name, None)),
+                ("stragglers", RIVALS_SECTION, shape, rivals_table), ("cache", CACHE_SECTION, cache_shape, cache_table),
+                ("profile", PROFILE_SECTION_29, shape, profile_table), ("auto", AUTO_SECTION, shape, auto_table)]
+    if {"rivals", "waits"} & set(args.sections):  # many short runs: fork the ranks from one server that imported once
+        from sparse_scale.multiproc import start_ranks_from_forkserver
+
+        start_ranks_from_forkserver(["torch", "torch.distributed", "numpy", "deepspeed", "torchrec",
+                                     "picasso_ops", "sparse_scale.rec.cli"])
     with tempfile.TemporaryDirectory(prefix="system_bench_") as tmp:
         for name, heading, sec_shape, table in sections:
             if name not in args.sections:
                 continue
             started, load0, t0 = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg(), time.perf_counter()
-            if name == "rivals":
-                out[name] = rivals(sec_shape, Path(tmp), args.shardings, not args.no_straggler, args.only)
+            shapes: list[Shape] = []
+            if name in ("rivals", "waits"):
+                rivals_run = name == "rivals"
+                specs = args.shapes or (["26x100:30:4096"] if args.quick else RIVAL_SHAPES if rivals_run else WAIT_SHAPES)
+                shapes = [parse_shape(spec, shape) for spec in specs]
+                pool = RIVAL_VARIANTS + OPTIONAL_VARIANTS if rivals_run else WAIT_VARIANTS
+                chosen = [v for v in pool if (v.name in args.only if args.only else v not in OPTIONAL_VARIANTS)
+                          and (v.torchrec is None or v.torchrec in args.shardings)]
+                out[name] = matrix(shapes, chosen, reps or 3, Path(tmp))
+            elif name == "stragglers":
+                out[name] = stragglers(sec_shape, Path(tmp), args.shardings, not args.no_straggler, args.only)
             elif name == "profile":
-                out[name] = profile_train_rec(sec_shape, Path(tmp), args.py_spy, args.profile_steps)
+                cfg = variant_config(sec_shape, known[args.profile_variant])
+                out[name] = profile_train_rec(sec_shape, Path(tmp), args.py_spy, args.profile_steps, cfg,
+                                              args.profile_variant)
             elif name == "auto":
-                out[name] = auto_section(sec_shape, Path(tmp), 1 if args.quick else args.reps, args.places)
+                out[name] = auto_section(sec_shape, Path(tmp), reps or 2, args.places)
             else:
                 out[name] = cache_section(sec_shape, Path(tmp), LINK_LATENCIES_MS, args.cache_steps if not args.quick
                                           else sec_shape.steps, args.cache_mbit)
@@ -863,7 +1214,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 continue
             from embedding import write_section  # benchmarks/embedding.py
 
-            head = header(command, sec_shape, started, load0, os.getloadavg(), (time.perf_counter() - t0) / 60)
+            minutes = (time.perf_counter() - t0) / 60
+            head = (matrix_header(command, shapes, reps or 3, started, load0, os.getloadavg(), minutes) if shapes
+                    else header(command, sec_shape, started, load0, os.getloadavg(), minutes))
             write_section(RESULTS, heading, f"{head}\n\n{table(out[name])}", title=f"{started}, benchmarks/system.py")
             print(f"wrote {RESULTS} ({heading})", flush=True)
 
