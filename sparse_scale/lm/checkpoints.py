@@ -28,13 +28,8 @@ class NoCheckpointError(FileNotFoundError):
     """A resume was asked for, but the checkpoint folder has no complete checkpoint."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    """How far a job is: what a resume needs to continue exactly."""
-
-    step: int = 0  # optimizer steps done
-    micro_batches: int = 0  # micro-batches consumed by each rank (ranks run in lockstep)
-    tokens: int = 0  # global training tokens
+# How far a job is (step, micro-batches, tokens): the one record of both jobs, imported here for old imports.
+from sparse_scale.progress import Progress  # noqa: E402
 
 
 def save_job_checkpoint(engine: Any, ckpt_dir: Path, progress: Progress, rank: int) -> str:
@@ -75,4 +70,5 @@ def load_job_checkpoint(engine: Any, ckpt_dir: Path) -> tuple[str, Progress]:
             logger.warning("--resume: %s", line)
     tag = choice.tag
     engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    return str(ckpt_dir / tag), Progress(**json.loads((ckpt_dir / tag / "progress.json").read_text()))
+    progress_file = ckpt_dir / tag / "progress.json"
+    return str(ckpt_dir / tag), Progress.from_dict(json.loads(progress_file.read_text()), str(progress_file))

@@ -141,7 +141,7 @@ def run(job: LMJobConfig) -> LMSummary:
             engine.monitor.write_events(events)
         if job.save_every and step % job.save_every == 0:
             guard.check_params(model, step)
-            last_ckpt = save_job_checkpoint(engine, ckpt_dir, Progress(step, micro_batches, tokens), rank)
+            last_ckpt = save_job_checkpoint(engine, ckpt_dir, Progress(step, micro_batches, tokens=tokens), rank)
             guard.checkpoint_saved(last_ckpt)
     bar.close()
     guard.check_params(model, step)  # the final save follows: never of a diverged state
@@ -149,7 +149,7 @@ def run(job: LMJobConfig) -> LMSummary:
     metrics = evaluate(engine, corpus, seq_len, micro_batch, rank, world, job.eval_tokens)
     engine.monitor.write_events([(f"eval/{k}", v, tokens) for k, v in metrics.items()])
     if last_ckpt is None or not last_ckpt.endswith(f"step{step}"):
-        last_ckpt = save_job_checkpoint(engine, ckpt_dir, Progress(step, micro_batches, tokens), rank)
+        last_ckpt = save_job_checkpoint(engine, ckpt_dir, Progress(step, micro_batches, tokens=tokens), rank)
     summary = LMSummary(
         world_size=world,
         launcher=ctx.launcher,

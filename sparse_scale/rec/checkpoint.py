@@ -31,17 +31,8 @@ notice = logging.getLogger("sparse_scale.rec.notice")
 SPACE_MARGIN = 1.2  # the next checkpoint is assumed this much larger than the last one
 
 
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    """How far the job got; saved in every checkpoint."""
-
-    step: int = 0  # optimizer steps done
-    micro_batches: int = 0  # batches consumed by each rank (ranks run in lockstep)
-    samples: int = 0  # global samples trained
-
-    def after_step(self, micro_batches: int, samples: int) -> "Progress":
-        """The progress one optimizer step of ``micro_batches`` micro-batches and ``samples`` samples later."""
-        return Progress(self.step + 1, self.micro_batches + micro_batches, self.samples + samples)
+# How far the job got, saved in every checkpoint: the one record of both jobs (imported here for old imports).
+from sparse_scale.progress import Progress  # noqa: E402
 
 
 def _lockstep(engine: "RecEngine") -> bool:
@@ -126,7 +117,7 @@ def resume(engine: "RecEngine", ckpt_dir: Path, rank: int) -> tuple[Progress, li
     path, client = engine.load_checkpoint(str(ckpt_dir))
     if path is None:
         raise RecJobError(f"--resume: no checkpoint found in {ckpt_dir}")
-    progress = Progress(**client["progress"])
+    progress = Progress.from_dict(client["progress"], f"the checkpoint {path}")
     if rank == 0:
         notice.info("resumed from %s at step %d (batch %d of each rank)", path, progress.step, progress.micro_batches)
     return progress, client.get("data_states")
