@@ -215,7 +215,7 @@ class KInterleavedRowShardedCollection(RowShardedEmbeddingCollection):
                 row_ex.append(AsyncExchange.all_to_all(local, plan.recv_counts, plan.send_counts, group))
         training = torch.is_grad_enabled()
         anchor = torch.empty(0, requires_grad=True) if training else None
-        pieces: dict[str, Tensor] = {}
+        blocks: list[Tensor] = []
         for pi, (layout, sub, plan, inverse) in enumerate(zip(self._layouts, subs, plans, inverses)):
             with tl.span("rows", pi):
                 if training:
@@ -232,10 +232,13 @@ class KInterleavedRowShardedCollection(RowShardedEmbeddingCollection):
                     inv_len = sub.lengths.reshape(-1).to(rows.dtype).clamp(min=1.0).reciprocal()
                     scale = torch.where(layout.feature_mean.repeat_interleave(B), inv_len, torch.ones_like(inv_len))
                     pooled = pooled * scale.unsqueeze(1)
-                per_feature = pooled.view(len(layout.features), B, layout.dim)
-                for fi, name in enumerate(layout.features):
-                    pieces[name] = per_feature[fi]
-        values = torch.cat([pieces[name] for name in self.pooled_features], dim=1) if pieces else torch.empty(B, 0)
+                # field-major -> batch-major once per pack, not one slice per field
+                blocks.append(pooled.view(len(layout.features), B, layout.dim).transpose(0, 1).reshape(B, -1))
+        if not blocks:
+            return KeyedEmbeddings(self.pooled_features, torch.empty(B, 0), self.column_offsets, {})
+        values = torch.cat(blocks, dim=1)
+        if self._columns is not None:  # packs' features -> pooled_features order
+            values = values.index_select(1, self._columns.to(values.device))
         return KeyedEmbeddings(self.pooled_features, values, self.column_offsets, {})
 
     @torch.no_grad()
