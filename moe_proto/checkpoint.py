@@ -10,6 +10,8 @@ This module writes its own topology-free checkpoint instead, one directory per t
     <save_dir>/<tag>/moe_proto/dense.pt            rank 0: non-expert params + optimizer moments, metadata
     <save_dir>/<tag>/moe_proto/experts_<a>-<b>.pt  per EP rank (expert-data-parallel rank 0): the
                                                    rows [a, b) of every stacked expert tensor + moments
+                                                   (per-expert modules: expert g's tensors are row g of
+                                                   ``<layer>.experts.deepspeed_experts.*.<key>``)
 
 Every tensor is the full fp32 value (under ZeRO 1/2 assembled from each rank's flat
 partition through the parameter's ``_hp_mapping`` addresses by
@@ -61,7 +63,10 @@ _EXPERT_FILE = re.compile(r"experts_(\d+)-(\d+)\.pt$")
 
 
 def expert_params(model: nn.Module) -> Dict[str, MoEBase]:
-    """Map every stacked expert parameter name (as in ``model.named_parameters()``) to its MoE layer.
+    """Map every expert parameter name (as in ``model.named_parameters()``) to its MoE layer.
+
+    Stacked layers hold one tensor per projection (``experts.w1 [E_local, d, ffn]``); layers with
+    per-expert modules one tensor per local expert and key (``experts.deepspeed_experts.{i}.<key>``).
 
     Example::
 
@@ -71,13 +76,47 @@ def expert_params(model: nn.Module) -> Dict[str, MoEBase]:
     for prefix, module in model.named_modules():
         if isinstance(module, MoEBase):
             if not isinstance(module.experts, GroupedExperts):
-                raise ValueError(f"MoE layer {prefix or '(the model)'} holds per-expert modules "
-                                 f"({type(module.experts).__name__}): moe_proto's checkpoints and full state dicts "
-                                 "cover stacked experts only; save it with DeepSpeed's engine.save_checkpoint "
-                                 "(ZeRO 0-2) or its state_dict()")
+                _check_no_expert_buffers(module, prefix)
             for name, _ in module.experts.named_parameters():
                 owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
     return owners
+
+
+_PER_EXPERT = re.compile(r"^(?P<head>(?:.*\.)?experts\.deepspeed_experts\.)(?P<index>\d+)\.(?P<key>.+)$")
+
+
+def expert_slot(name: str, layer: MoEBase) -> Tuple[str, Optional[int]]:
+    """Where an expert parameter's values go in a checkpoint: ``(stacked name, local expert index)``.
+
+    A stacked parameter is its own stack (index None). Local expert ``i``'s ``<key>`` of a per-expert
+    layer is row ``i`` of the stack ``<prefix>.experts.deepspeed_experts.*.<key>``, so both kinds are
+    written as rows of global experts and load at any ep size.
+
+    Example::
+
+        expert_slot("moe.experts.deepspeed_experts.1.norm.weight", layer)
+        # ("moe.experts.deepspeed_experts.*.norm.weight", 1)
+    """
+    if isinstance(layer.experts, GroupedExperts):
+        return name, None
+    match = _PER_EXPERT.match(name)
+    if match is None:  # ModuleExperts holds its copies in deepspeed_experts: nothing else is an expert parameter
+        raise ValueError(f"{name}: not a per-expert parameter (experts.deepspeed_experts.<i>.<key>)")
+    return f"{match['head']}*.{match['key']}", int(match["index"])
+
+
+def global_expert_name(stack_name: str, global_id: int) -> str:
+    """The per-expert name of global expert ``global_id`` in a stack named by :func:`expert_slot`."""
+    return stack_name.replace("deepspeed_experts.*.", f"deepspeed_experts.{global_id}.", 1)
+
+
+def _check_no_expert_buffers(layer: MoEBase, prefix: str) -> None:
+    params = {name for name, _ in layer.experts.named_parameters()}
+    buffers = [key for key in layer.experts.state_dict() if key not in params]
+    if buffers:  # rank 0's buffers are saved for every rank: they would be wrong for other ranks' experts
+        raise ValueError(f"MoE layer {prefix or '(the model)'}: its expert modules hold buffers ({buffers[0]}, ...) "
+                         "that differ per expert; moe_proto's checkpoints save replicated buffers only: save it "
+                         "with DeepSpeed's engine.save_checkpoint (ZeRO 0-2)")
 
 
 def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> None:
@@ -99,12 +138,15 @@ def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Non
             if is_zero3_param(param):
                 raise ValueError(f"load_full_state_dict: {name} is already partitioned by ZeRO-3; call it before "
                                  "deepspeed.initialize, or use load_checkpoint on the engine")
-            if name not in full_state:
+            layer = owners.get(name)
+            stack, index = expert_slot(name, layer) if layer is not None else (name, None)
+            key = name if index is None else global_expert_name(stack, layer.expert_range[0] + index)
+            if key not in full_state:
                 hint = (": the state is in DeepSpeed's layout; take it as `with "
                         "moe_proto.ds_layout.stacked_layout(full): full.state_dict()`"
-                        if any(".deepspeed_experts." in k for k in full_state) else "")
-                raise KeyError(f"parameter {name} is missing from the full state dict{hint}")
-            param.copy_(_local_rows(full_state[name], owners.get(name)))
+                        if index is None and any(".deepspeed_experts." in k for k in full_state) else "")
+                raise KeyError(f"parameter {key} is missing from the full state dict{hint}")
+            param.copy_(full_state[key] if index is not None else _local_rows(full_state[key], layer))
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
@@ -120,11 +162,16 @@ def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     for name, param in model.named_parameters():
         layer = owners.get(name)
         value = gathered_value(param)  # a copy
+        parts = [value]
         if layer is not None and layer.ep_size > 1:
             parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
             dist.all_gather(parts, value.contiguous(), group=layer.ep_group)
-            value = torch.cat(parts)
-        out[name] = value
+        stack, index = expert_slot(name, layer) if layer is not None else (name, None)
+        if index is None:
+            out[name] = torch.cat(parts) if len(parts) > 1 else value
+        else:  # per-expert modules: one key per global expert
+            for ep_rank, part in enumerate(parts):
+                out[global_expert_name(stack, ep_rank * layer.num_local_experts + index)] = part
     return out
 
 
@@ -153,14 +200,21 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
     experts: Dict[str, Dict[str, Tensor]] = {}
     writer_ranges: Dict[str, Tuple[int, int]] = {}
     # Every rank walks the parameters in the same order: the full-state reads are collectives.
+    rows: Dict[str, Dict[int, Dict[str, Tensor]]] = {}
     for name, param in model.named_parameters():
         entry = _read_param_state(engine, param)
         layer = owners.get(name)
         if layer is None:
             dense[name] = entry
+            continue
+        stack, index = expert_slot(name, layer)
+        writer_ranges[stack] = layer.expert_range
+        if index is None:
+            experts[stack] = entry
         else:
-            experts[name] = entry
-            writer_ranges[name] = layer.expert_range
+            rows.setdefault(stack, {})[index] = entry
+    for stack, by_index in rows.items():  # per-expert modules: local expert i is row i, as in a stack
+        experts[stack] = {k: torch.stack([by_index[i][k] for i in range(len(by_index))]) for k in by_index[0]}
     if rank == 0:
         groups = _param_group_states(engine)
         meta = {"step": max((g["step"] for g in groups), default=0.0),
@@ -168,7 +222,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
                 "global_samples": int(getattr(engine, "global_samples", 0)),
                 "param_groups": groups,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
-                "experts": {n: {"num_experts": l.num_experts, "ep_size": l.ep_size} for n, l in owners.items()}}
+                "experts": {expert_slot(n, l)[0]: {"num_experts": l.num_experts, "ep_size": l.ep_size}
+                            for n, l in owners.items()}}
         torch.save({"params": dense, "buffers": _persistent_buffers(model), "meta": meta},
                    os.path.join(path, "dense.pt"))
         with open(os.path.join(path, "meta.json"), "w") as f:
@@ -201,16 +256,21 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     meta = saved["meta"]
     model = engine.module
     owners = expert_params(model)
-    needed = {name: layer.expert_range for name, layer in owners.items()}
+    slots = {name: expert_slot(name, layer) for name, layer in owners.items()}
+    needed = {slots[name][0]: layer.expert_range for name, layer in owners.items()}
+    for stack in needed:  # before any rank reads a file or touches its optimizer: the same answer on every rank
+        saved_layer = meta["experts"].get(stack)
+        layer = owners[next(n for n, s in slots.items() if s[0] == stack)]
+        if saved_layer is None or saved_layer["num_experts"] != layer.num_experts:
+            raise ValueError(f"{stack}: checkpoint has {saved_layer} experts, the model has {layer.num_experts}")
     expert_entries = _read_expert_rows(path, needed)
     _materialize_optimizer_state(engine, _saved_group_steps(engine, meta))
     for name, param in model.named_parameters():
         if name in owners:
-            saved_layer = meta["experts"].get(name)
-            if saved_layer is None or saved_layer["num_experts"] != owners[name].num_experts:
-                raise ValueError(f"{name}: checkpoint has {saved_layer} experts, the model has "
-                                 f"{owners[name].num_experts}")
-            entry = expert_entries[name]
+            stack, index = slots[name]
+            entry = expert_entries[stack]
+            if index is not None:
+                entry = {k: v[index] for k, v in entry.items()}
         else:
             if name not in saved["params"]:
                 raise KeyError(f"parameter {name} is missing from the checkpoint at {path}")

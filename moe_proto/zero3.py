@@ -52,7 +52,6 @@ from torch import nn
 from sparse_core.zero3_state import (flat_groups, gathered_value, is_zero3_param, read_full_state,
                                            write_full_state)
 
-from .experts import GroupedExperts
 from .layer import MoE, MoEBase
 
 try:  # the engine's isinstance check for layers it allows under ZeRO-3
@@ -94,14 +93,13 @@ class ZeRO3MoE(MoEBase, _AutoEPMoELayer):
             # zero.Init partitions over all ranks; the engine (_resolve_zero3_param_placement) would refuse it later.
             raise ValueError("ZeRO3MoE built inside deepspeed.zero.Init: its experts must be partitioned over their "
                              "expert-data-parallel group, which the engine does; build the model outside zero.Init")
-        _refuse_module_experts(self)
         self.ep_group_name = self.expert_group_name  # the name AutoEP's layer and the engine's EP code use
         self.zero_stage = 3
         self.state_dict_layout = "stacked"  # DeepSpeed's save splits only ZeRO 0-2 layers; moe_proto.checkpoint here
         for param in self.parameters():
             param.ds_zero_placement_family = REPLICATED_PLACEMENT_FAMILY
         for param in self.experts.parameters():
-            # allreduce=False / group_name are already set by GroupedExperts.
+            # allreduce=False / group_name are already set by GroupedExperts / ModuleExperts.
             param.ds_zero_placement_family = EXPERT_PLACEMENT_FAMILY
             param.ds_zero_partition_group_name = self.expert_group_name
         logger.info("ZeRO3MoE: ZeRO-3 partitions the experts over the %s expert-data-parallel group",
@@ -139,17 +137,9 @@ def to_zero3(layer: MoE) -> "ZeRO3MoE":
         return layer
     if type(layer) is not MoE:
         raise TypeError(f"to_zero3 converts moe_proto.MoE layers, got {type(layer).__name__}")
-    _refuse_module_experts(layer)
     layer.__class__ = ZeRO3MoE  # same MoEBase state and stages; only the DeepSpeed base and markers differ
     layer._mark_for_zero3()
     return layer
-
-
-def _refuse_module_experts(layer: Any) -> None:
-    if not isinstance(layer.experts, GroupedExperts):
-        raise ValueError(f"the expert module takes the per-expert path ({type(layer.experts).__name__}); the "
-                         "ZeRO-3 layer supports stacked experts only (Linear -> GELU/ReLU/SiLU -> Linear, or "
-                         "expert=None with ffn_hidden_size): use ZeRO stage 0-2 for this expert module")
 
 
 __all__ = ["ZeRO3MoE", "to_zero3", "EXPERT_PLACEMENT_FAMILY", "REPLICATED_PLACEMENT_FAMILY",
