@@ -70,24 +70,28 @@ def _experts_from_module(expert: nn.Module, args: MoEArgs) -> nn.Module:
 
 
 def _check_tensor_parallelism(layer: "MoEBase", groups: object) -> None:
-    """``enable_expert_tensor_parallelism``: what DeepSpeed does with it, or a refusal on every rank.
+    """Refuse a tensor-parallel ``groups.mpu`` (tensor-parallel size > 1) on every rank; else nothing to do.
 
-    DeepSpeed's layer reads the flag only with a tensor-parallel ``groups.mpu`` (Megatron-style
-    non-expert layers): it then builds expert groups over the tensor-parallel ranks, drops the
-    duplicate tokens of the tensor-parallel ranks before the all-to-all and gathers them after.
-    Without an mpu (or with tensor-parallel size 1) the flag changes nothing, here as there.
+    Under such an mpu DeepSpeed's ``MOELayer`` sends only each tensor-parallel rank's 1/tp share of the
+    (duplicate) tokens through the all-to-all and all-gathers them after, whatever
+    ``enable_expert_tensor_parallelism`` says; with the flag it also builds expert-parallel groups of
+    equal tensor-parallel rank (``_create_expert_data_and_model_parallel``) and all-gathers the rows
+    over the tensor-parallel group before the (tensor-parallel) expert modules run. This layer does
+    none of it: it would compute every token tp times and sum tp copies into its expert gradients.
+    Without an mpu, or with tensor-parallel size 1, the flag changes nothing, here as in DeepSpeed.
     """
     mpu = getattr(groups, "mpu", None)
-    if not layer.enable_expert_tensor_parallelism or mpu is None:
+    if mpu is None:
         return
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
     tp = bwc_tensor_model_parallel_world_size(mpu)
     if tp > 1:  # the mpu is the same object on every rank: every rank raises here
-        raise ValueError(f"MoE layer with enable_expert_tensor_parallelism=True under a tensor-parallel mpu (size "
-                         f"{tp}): moe_proto.MoE does not drop and re-gather the tensor-parallel ranks' duplicate "
-                         "tokens nor shard its experts over them as DeepSpeed's MOELayer does; use "
-                         "deepspeed.moe.layer.MoE for expert tensor parallelism, or set the flag False")
+        raise ValueError(f"MoE layer under a tensor-parallel mpu (size {tp}, enable_expert_tensor_parallelism="
+                         f"{layer.enable_expert_tensor_parallelism}): moe_proto.MoE does not drop and re-gather "
+                         "the tensor-parallel ranks' duplicate tokens around its all-to-all, nor run tensor-parallel "
+                         "experts on expert-model-parallel groups, as DeepSpeed's MOELayer does (it would compute "
+                         f"each token {tp} times); use deepspeed.moe.layer.MoE with tensor parallelism")
 
 
 class MoEBase(nn.Module):

@@ -2,7 +2,8 @@
 
 DeepSpeed reads ``enable_expert_tensor_parallelism`` only with a tensor-parallel ``groups.mpu``;
 without one, training with it must equal training without it. Under a tensor-parallel mpu the
-layer refuses it when bound (every rank: the mpu is everyone's). ``use_tutel=True`` warns and
+layer refuses the mpu when bound, with the flag or without (DeepSpeed drops the tensor-parallel ranks'
+duplicate tokens either way; every rank raises: the mpu is everyone's). ``use_tutel=True`` warns and
 falls back, as DeepSpeed does without Tutel installed.
 """
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from moe_proto import MoE
+from moe_proto.layer import _check_tensor_parallelism
 from sparse_scale.multiproc import run_distributed
 
 D, E = 8, 4
@@ -52,18 +54,27 @@ def test_expert_tensor_parallelism_without_a_tensor_parallel_mpu_trains_as_witho
         assert losses[True] == losses[False]
 
 
-def test_expert_tensor_parallelism_under_a_tensor_parallel_mpu_is_refused_with_its_reason():
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_tensor_parallel_mpu_is_refused_with_its_reason(flag):
+    """DeepSpeed drops the tensor-parallel ranks' duplicate tokens under such an mpu with or without the flag."""
     from deepspeed.utils import groups
 
-    class TensorParallel2:
-        def get_tensor_model_parallel_world_size(self):
-            return 2
+    class TensorParallel:
+        def __init__(self, size):
+            self.size = size
 
-    layer = MoE(D, None, num_experts=E, ffn_hidden_size=16, enable_expert_tensor_parallelism=True)
-    saved, groups.mpu = groups.mpu, TensorParallel2()
+        def get_tensor_model_parallel_world_size(self):
+            return self.size
+
+    layer = MoE(D, None, num_experts=E, ffn_hidden_size=16, enable_expert_tensor_parallelism=flag)
+    saved = groups.mpu
     try:
-        with pytest.raises(ValueError, match="tensor-parallel mpu \\(size 2\\).*duplicate tokens"):
+        groups.mpu = TensorParallel(2)
+        with pytest.raises(ValueError, match=f"tensor-parallel mpu \\(size 2, enable_expert_tensor_parallelism={flag}"
+                                             "\\).*duplicate tokens.*each token 2 times"):
             layer.set_deepspeed_parallelism()
+        groups.mpu = TensorParallel(1)  # tensor-parallel size 1: nothing to drop (binding needs a process group)
+        _check_tensor_parallelism(layer, groups)
     finally:
         groups.mpu = saved
 
