@@ -464,7 +464,7 @@ def stragglers(shape: Shape, workdir: Path, shardings: Sequence[str], with_strag
 THREE_SHAPES_SECTION = "## Three shapes against torchrec, variants alternated (issue 29 item 4)"
 WAITS_SECTION = "## The other waits of the rec job's step: dense all-reduce and data stream (issue 29 item 3)"
 # "F x rows : steps : held-out samples" (held-out: a multiple of 2 x 256; DLRM's interactions grow as F^2)
-RIVAL_SHAPES = ("26x100000:400:32768", "200x10000:30:8192", "1000x1000:6:1024")  # ~35 min on 2 shared cores
+RIVAL_SHAPES = ("26x100000:300:16384", "200x10000:20:4096", "1000x1000:5:1024")  # ~40 min on 2 shared cores
 WAIT_SHAPES = ("26x100000:400:32768",)
 
 
@@ -484,9 +484,9 @@ RIVAL_VARIANTS = (
     Variant("torchrec row_wise", torchrec="row_wise"),
     Variant("ours auto", picasso={"sharding": "auto"}),  # the planner's choice
     Variant("ours auto, pipelined", picasso={"sharding": "auto", "pipeline": True}),  # + the sparse-dist pipeline
-    Variant("ours data_parallel", picasso={"sharding": "data_parallel"}),
 )
 OPTIONAL_VARIANTS = (  # by name through --only
+    Variant("ours data_parallel", picasso={"sharding": "data_parallel"}),  # = "ours auto" where the plan is all dp
     Variant("ours row_wise", picasso={"sharding": "row_wise"}),
     Variant("ours row_wise, pipelined", picasso={"sharding": "row_wise", "pipeline": True}),
 )
@@ -731,9 +731,10 @@ def cache_section(shape: Shape, workdir: Path, latencies: Sequence[float], steps
 STEP_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data: synthetic batch generation (ids, teacher, labels)", ("SyntheticCTRGenerator.", "SyntheticCTRStream.")),
     ("data: samples per step (RankStream.step_samples)", ("RankStream.step_samples",)),
+    ("sparse-dist pipeline: waits for the next batch's exchange, hand-over", ("SparseDistPipeline.",)),
     ("tables: fused lookup (forward kernel)", ("_PooledLookup.forward",)),
     ("tables: row-gradient sums (backward kernel)", ("_PooledLookup.backward",)),
-    ("tables: row exchange between ranks (all_gather)", ("all_gather",)),
+    ("tables: row exchange between ranks (all_gather, all_to_all)", ("all_gather", "all_to_all")),
     ("tables: dedup of exchanged rows", ("coalesce_rows", "unpack_rows")),
     ("tables: row-wise Adagrad update kernel", ("apply_rows",)),
     ("tables: rest of the sparse step", ("sparse_step",)),
@@ -746,8 +747,11 @@ STEP_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 LOOP_REST = "train loop itself (loss.item, timers, tqdm, fault hooks, Python)"
 
 
-def step_breakdown(raw_lines: Sequence[str]) -> dict[str, int]:
-    """py-spy ``--format raw`` stacks inside ``train_loop``, counted per :data:`STEP_PARTS` (rest: the loop)."""
+def step_breakdown(raw_lines: Sequence[str], rest: dict[str, int] | None = None) -> dict[str, int]:
+    """py-spy ``--format raw`` stacks inside ``train_loop``, counted per :data:`STEP_PARTS` (rest: the loop).
+
+    ``rest``: where given, the innermost frame of each stack counted as the loop's own, with its samples.
+    """
     counts = {name: 0 for name, _ in STEP_PARTS} | {LOOP_REST: 0}
     for line in raw_lines:
         stack, _, n = line.rstrip().rpartition(" ")
@@ -758,6 +762,9 @@ def step_breakdown(raw_lines: Sequence[str]) -> dict[str, int]:
         below = frames[inside[0] + 1:]
         part = next((name for name, keys in STEP_PARTS if any(k in f for f in below for k in keys)), LOOP_REST)
         counts[part] += int(n)
+        if part == LOOP_REST and rest is not None:
+            leaf = frames[-1]
+            rest[leaf] = rest.get(leaf, 0) + int(n)
     return counts
 
 
@@ -785,8 +792,10 @@ def profile_train_rec(shape: Shape, workdir: Path, py_spy: str, steps: int, cfg:
     if any(p.returncode for p in procs):
         raise RuntimeError(f"profiled train_rec failed: {errors[0][-2000:]}")
     summary = json.loads((workdir / "profile" / "summary.json").read_text())
-    per_rank = [step_breakdown((workdir / f"rank{r}.txt").read_text().splitlines()) for r in range(2)]
-    return {"samples_per_s": summary["samples_per_s"], "steps": steps, "ranks": per_rank,
+    rest: dict[str, int] = {}
+    per_rank = [step_breakdown((workdir / f"rank{r}.txt").read_text().splitlines(), rest) for r in range(2)]
+    top = sorted(rest.items(), key=lambda kv: -kv[1])[:6]
+    return {"samples_per_s": summary["samples_per_s"], "steps": steps, "ranks": per_rank, "loop_rest_top": top,
             "command": "launch/train_rec.py " + " ".join(argv), "variant": variant,
             "config": json.loads(config.read_text())}
 
@@ -799,6 +808,9 @@ def profile_table(prof: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{100 * r[name] / t:.1f}%" for r, t in zip(prof["ranks"], totals))
                      + " |")
     lines.append(f"| (py-spy samples in the loop, 100/s) | {totals[0]:,} | {totals[1]:,} |")
+    if prof.get("loop_rest_top"):
+        lines += ["", "The loop's own samples, innermost frames (both ranks): " + "; ".join(
+            f"`{leaf}` {n:,}" for leaf, n in prof["loop_rest_top"]) + "."]
     lines += ["", f"Variant {prof.get('variant', 'ours packed')!r}; samples/s of the profiled run: "
               f"{prof['samples_per_s']:,.0f} (py-spy slows it a little); `{prof['command']}`; its DeepSpeed JSON's "
               f"picasso block `{json.dumps((prof.get('config') or {}).get('picasso'))}`, zero_optimization "
