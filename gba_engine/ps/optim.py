@@ -10,7 +10,11 @@ Dense shards use the torch optimizer itself: the supported optimizers are elemen
 so a shard's update equals the same slice of the full update.
 
 Embedding shards use a lazy variant that reads and writes only the rows present in the
-global batch (``index`` gather, update, scatter: no per-id Python loop):
+global batch (``index`` gather, update, scatter: no per-id Python loop). The formulas are
+members of picasso_ops' one family of row optimizers
+(:mod:`picasso_ops.embedding.sparse_optim`: ``TorchRowAdam``, ``TorchRowSGD``,
+``TorchRowAdagrad``), held with their table and state by :class:`RowOptimizer`, the one holder
+of the servers' tables and the workers' copies (``gba_engine.worker_tables``):
 
 * Adam/AdamW: torch's Adam formula on those rows, with per-row moments and one step
   count per table (= updates applied). That is TF's LazyAdam; it equals dense torch Adam
@@ -22,7 +26,7 @@ global batch (``index`` gather, update, scatter: no per-id Python loop):
 
 A table may carry its own optimizer instead (:class:`TableOptimizerSpec`, set on its
 ``ServerTableSpec``): picasso_ops' sparse optimizers (``sgd``, ``rowwise_adagrad``, lazy
-``adam``), run on the servers by picasso_ops' own update code (:class:`SparseRowOptimizer`), so
+``adam``), run on the servers by picasso_ops' own update code (the same :class:`RowOptimizer`), so
 a packed table trained through the servers follows the picasso block's formulas exactly.
 
 Example::
@@ -35,7 +39,6 @@ Example::
 """
 from __future__ import annotations
 
-import abc
 import dataclasses
 import math
 from typing import Any, Mapping, Sequence
@@ -44,7 +47,8 @@ import torch
 from torch import Tensor
 
 from picasso_ops.embedding.sparse_optim import OPTIMIZERS as SPARSE_OPTIMIZERS
-from picasso_ops.embedding.sparse_optim import RowUpdate, SparseOptimizer, create_optimizer, resolve_hyperparams
+from picasso_ops.embedding.sparse_optim import (TORCH_ROW_OPTIMIZERS, RowUpdate, SparseOptimizer, TorchRowAdagrad,
+                                                TorchRowAdam, TorchRowSGD, create_optimizer, resolve_hyperparams)
 
 SUPPORTED = ("adam", "adamw", "sgd", "adagrad")
 _DEEPSPEED_ONLY = ("torch_adam", "adam_w_mode", "fp32_optimizer_states")  # consumed by DeepSpeed, not torch
@@ -110,20 +114,43 @@ class OptimizerSpec:
         """A lazy row-wise optimizer that owns ``weight`` (a [rows, dim] table shard; copied)."""
         kwargs = {k: v for k, v in self.kwargs.items() if k not in _IMPLEMENTATION_ONLY}
         if self.type in ("adam", "adamw"):
-            return LazyTorchAdam(weight, decoupled=self.type == "adamw", **kwargs)
-        if self.type == "sgd":
-            return LazySGD(weight, **kwargs)
-        return LazyAdagrad(weight, **kwargs)
+            kwargs["decoupled"] = self.type == "adamw"
+        return RowOptimizer(weight, TORCH_ROW_OPTIMIZERS[self.type](**kwargs))
 
 
-class RowOptimizer(abc.ABC):
-    """A table shard and its optimizer state; :meth:`step` updates only the given rows."""
+class RowOptimizer:
+    """A table shard and its optimizer state, updated by one member of picasso_ops' row-optimizer family.
 
-    def __init__(self, weight: Tensor) -> None:
+    The one holder of the servers' tables and of the workers' copies of them: ``optimizer`` is a
+    :class:`~picasso_ops.embedding.sparse_optim.SparseOptimizer` (torch's formulas for the job's
+    optimizer, :data:`~picasso_ops.embedding.sparse_optim.TORCH_ROW_OPTIMIZERS`; picasso's own for a
+    table with a :class:`TableOptimizerSpec`); :meth:`step` updates only the given rows, and the
+    step count ticks on every update, present rows or not, as dense torch optimizers and picasso's
+    packed tables count their steps.
+
+    Example::
+
+        opt = RowOptimizer(torch.zeros(4, 2), TorchRowSGD(lr=0.1))
+        opt.step(torch.tensor([1]), torch.ones(1, 2)); opt.weight[1]      # tensor([-0.1000, -0.1000])
+    """
+
+    def __init__(self, weight: Tensor, optimizer: SparseOptimizer) -> None:
         if weight.dim() != 2:
             raise ValueError(f"a table shard must be 2-D [rows, dim], got shape {tuple(weight.shape)}")
         self.weight = weight.detach().to(torch.float32).clone()
         self.steps = 0  # updates applied to this table (its bias-correction / lr-decay clock)
+        self.sparse = optimizer
+        rows, dim = self.weight.shape
+        self.state = optimizer.init_state(rows, dim, num_logical_rows=rows)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next update (the server sets it from the schedule)."""
+        return self.sparse.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.sparse.lr = value
 
     def step(self, rows: Tensor, grad: Tensor) -> None:
         """Apply one global-batch update: ``rows`` unique local indices, ``grad`` [len(rows), dim]."""
@@ -131,7 +158,7 @@ class RowOptimizer(abc.ABC):
             raise ValueError(f"row gradient shape {tuple(grad.shape)} != ({rows.numel()}, {self.weight.shape[1]})")
         self.steps += 1  # every update ticks the clock, present rows or not, as dense torch optimizers do
         if rows.numel():
-            self._update(rows, grad.to(torch.float32))
+            self.sparse.update(self.weight, self.state, RowUpdate.simple(rows, grad.to(torch.float32), step=self.steps))
 
     def put(self, rows: Tensor, values: Tensor) -> None:
         """Overwrite row values (initialisation, cache write-back); optimizer state is kept."""
@@ -153,7 +180,7 @@ class RowOptimizer(abc.ABC):
         """Install a :meth:`state_dict` of a shard of the same shape and optimizer; a mismatch is a clear error."""
         want = {"weight", "steps", *self._state_tensors()}
         if set(state) != want:
-            raise ValueError(f"table state has keys {sorted(state)}, this {type(self).__name__} needs {sorted(want)}")
+            raise ValueError(f"table state has keys {sorted(state)}, this {self._kind()} needs {sorted(want)}")
         for key, mine in {"weight": self.weight, **self._state_tensors()}.items():
             if state[key].shape != mine.shape:
                 raise ValueError(f"table state {key!r} has shape {tuple(state[key].shape)}, this shard "
@@ -161,122 +188,33 @@ class RowOptimizer(abc.ABC):
             mine.copy_(state[key])
         self.steps = int(state["steps"])
 
+    def _kind(self) -> str:
+        return f"{type(self).__name__} ({type(self.sparse).__name__})"
+
     def _state_tensors(self) -> dict[str, Tensor]:
         """Per-row optimizer state by name (none for plain SGD)."""
-        return {}
-
-    @abc.abstractmethod
-    def _update(self, rows: Tensor, grad: Tensor) -> None:
-        """Update ``self.weight[rows]`` and the optimizer state of those rows from ``grad``."""
+        return dict(self.state)
 
 
 class LazySGD(RowOptimizer):
-    """torch.optim.SGD on the present rows (per-row momentum buffers)."""
+    """torch.optim.SGD on the present rows (per-row momentum buffers): ``RowOptimizer`` with :class:`TorchRowSGD`."""
 
-    def __init__(self, weight: Tensor, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False) -> None:
-        super().__init__(weight)
-        if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"invalid SGD hyperparameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        self.lr, self.momentum, self.dampening = lr, momentum, dampening
-        self.weight_decay, self.nesterov, self.maximize = weight_decay, nesterov, maximize
-        if momentum:
-            self.buf = torch.zeros_like(self.weight)
-            self.started = torch.zeros(self.weight.shape[0], dtype=torch.bool)
-
-    def _update(self, rows: Tensor, grad: Tensor) -> None:
-        p = self.weight[rows]
-        d_p = -grad if self.maximize else grad
-        if self.weight_decay:
-            d_p = d_p.add(p, alpha=self.weight_decay)
-        if self.momentum:
-            old = self.buf[rows]
-            started = self.started[rows].unsqueeze(1)
-            # torch starts a buffer at the first gradient (no dampening); later steps blend
-            buf = torch.where(started, old * self.momentum + d_p * (1 - self.dampening), d_p)
-            self.buf[rows] = buf
-            self.started[rows] = True
-            d_p = d_p.add(buf, alpha=self.momentum) if self.nesterov else buf
-        self.weight[rows] = p.add(d_p, alpha=-self.lr)
-
-    def _state_tensors(self) -> dict[str, Tensor]:
-        return {"momentum_buffer": self.buf, "started": self.started} if self.momentum else {}
+    def __init__(self, weight: Tensor, **kwargs: Any) -> None:
+        super().__init__(weight, TorchRowSGD(**kwargs))
 
 
 class LazyTorchAdam(RowOptimizer):
-    """torch.optim.Adam / AdamW on the present rows, per-row moments, one step count per table.
+    """torch.optim.Adam / AdamW on the present rows: ``RowOptimizer`` with :class:`TorchRowAdam` (see its formula)."""
 
-    The update is torch's own, term by term (``lerp`` of the first moment, ``sqrt(v) /
-    sqrt(1 - beta2**t) + eps``, step ``lr / (1 - beta1**t)``), plus torch's weight decay:
-    L2 into the gradient (Adam) or decoupled ``p *= 1 - lr * wd`` (AdamW, default wd 0.01),
-    and ``maximize``; so server tables follow DeepSpeed's ``torch_adam`` optimizer.
-    picasso_ops' ``LazyAdam`` (worker-side tables) has the same Adam core with the same
-    bias correction but no weight decay and no maximize, and rounds differently (its moments
-    by ``mul``/``add`` and ``sqrt(v / (1 - beta2**t))``): equal in exact arithmetic when wd = 0.
-    """
-
-    def __init__(self, weight: Tensor, decoupled: bool, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False,
-                 maximize: bool = False) -> None:
-        super().__init__(weight)
-        if amsgrad:
-            raise ValueError("amsgrad is not supported for embedding rows on the parameter servers")
-        if weight_decay is None:
-            weight_decay = 1e-2 if decoupled else 0.0  # torch's AdamW / Adam defaults
-        b1, b2 = betas
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"invalid Adam hyperparameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
-        self.lr, self.beta1, self.beta2, self.eps = lr, b1, b2, eps
-        self.weight_decay, self.decoupled, self.maximize = weight_decay, decoupled, maximize
-        self.exp_avg = torch.zeros_like(self.weight)
-        self.exp_avg_sq = torch.zeros_like(self.weight)
-
-    def _update(self, rows: Tensor, grad: Tensor) -> None:
-        p = self.weight[rows]
-        g = -grad if self.maximize else grad
-        if self.weight_decay:
-            if self.decoupled:
-                p = p * (1 - self.lr * self.weight_decay)
-            else:
-                g = g.add(p, alpha=self.weight_decay)
-        m = self.exp_avg[rows].lerp(g, 1 - self.beta1)
-        v = self.exp_avg_sq[rows].mul(self.beta2).addcmul(g, g, value=1 - self.beta2)
-        bias1 = 1 - self.beta1 ** self.steps
-        bias2_sqrt = math.sqrt(1 - self.beta2 ** self.steps)
-        denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
-        self.exp_avg[rows] = m
-        self.exp_avg_sq[rows] = v
-        self.weight[rows] = p.addcdiv(m, denom, value=-self.lr / bias1)
-
-    def _state_tensors(self) -> dict[str, Tensor]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+    def __init__(self, weight: Tensor, decoupled: bool, **kwargs: Any) -> None:
+        super().__init__(weight, TorchRowAdam(decoupled=decoupled, **kwargs))
 
 
 class LazyAdagrad(RowOptimizer):
-    """torch.optim.Adagrad on the present rows (per-row accumulators)."""
+    """torch.optim.Adagrad on the present rows (per-row accumulators): ``RowOptimizer`` with :class:`TorchRowAdagrad`."""
 
-    def __init__(self, weight: Tensor, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False) -> None:
-        super().__init__(weight)
-        if lr < 0 or lr_decay < 0 or weight_decay < 0 or initial_accumulator_value < 0 or eps < 0:
-            raise ValueError(f"invalid Adagrad hyperparameters lr={lr} lr_decay={lr_decay} wd={weight_decay}")
-        self.lr, self.lr_decay, self.weight_decay, self.eps, self.maximize = lr, lr_decay, weight_decay, eps, maximize
-        self.state_sum = torch.full_like(self.weight, initial_accumulator_value)
-
-    def _update(self, rows: Tensor, grad: Tensor) -> None:
-        p = self.weight[rows]
-        g = -grad if self.maximize else grad
-        if self.weight_decay:
-            g = g.add(p, alpha=self.weight_decay)
-        clr = self.lr / (1 + (self.steps - 1) * self.lr_decay)
-        s = self.state_sum[rows].addcmul(g, g, value=1)
-        self.state_sum[rows] = s
-        self.weight[rows] = p.addcdiv(g, s.sqrt().add_(self.eps), value=-clr)
-
-    def _state_tensors(self) -> dict[str, Tensor]:
-        return {"sum": self.state_sum}
+    def __init__(self, weight: Tensor, **kwargs: Any) -> None:
+        super().__init__(weight, TorchRowAdagrad(**kwargs))
 
 
 LR_SCHEDULES = ("deepspeed", "constant")
@@ -339,36 +277,14 @@ class TableOptimizerSpec:
 
 
 class SparseRowOptimizer(RowOptimizer):
-    """A picasso_ops ``SparseOptimizer`` run on a server's table shard: its own update code, state and step clock.
+    """A picasso ``SparseOptimizer`` of the ``picasso`` block's kinds on a server's table shard (its own formula).
 
     ``rowwise_adagrad`` keeps one accumulator per row (``momentum1 += mean(g**2)``, ``w -= lr *
     g / (sqrt(momentum1) + eps)``); ``adam`` picasso's lazy Adam with the table's update count
-    as ``t``; ``sgd`` ``w -= lr * g``. The step count ticks on every update, present rows or not,
-    as picasso's packed tables count their steps.
+    as ``t``; ``sgd`` ``w -= lr * g``. The same holder as every other table (:class:`RowOptimizer`).
 
     Example::
 
         opt = TableOptimizerSpec.of("rowwise_adagrad", lr=0.1).build_rows(torch.zeros(4, 2))
         opt.step(torch.tensor([1]), torch.ones(1, 2)); opt.weight[1]      # tensor([-0.1000, -0.1000])
     """
-
-    def __init__(self, weight: Tensor, optimizer: SparseOptimizer) -> None:
-        super().__init__(weight)
-        self.sparse = optimizer
-        rows, dim = self.weight.shape
-        self.state = optimizer.init_state(rows, dim, num_logical_rows=rows)
-
-    @property
-    def lr(self) -> float:
-        """The learning rate of the next update (the server sets it from the schedule)."""
-        return self.sparse.lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self.sparse.lr = value
-
-    def _update(self, rows: Tensor, grad: Tensor) -> None:
-        self.sparse.update(self.weight, self.state, RowUpdate.simple(rows, grad, step=self.steps))
-
-    def _state_tensors(self) -> dict[str, Tensor]:
-        return dict(self.state)

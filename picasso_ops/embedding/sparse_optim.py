@@ -20,7 +20,13 @@ embedding dim, ``t`` the optimizer step, 1-based):
   SparseAdam puts ``eps`` after folding the bias correction into the step size,
   so it differs from this formula by ``eps * sqrt(1 - b2**t)``.
 
-Every optimizer also takes ``weight_decay`` (default 0: off), decoupled weight
+The same family holds torch's own formulas on the touched rows (:class:`TorchRowSGD`,
+:class:`TorchRowAdam`, :class:`TorchRowAdagrad`; :data:`TORCH_ROW_OPTIMIZERS`): what
+``gba_engine``'s parameter servers (and the workers' copies of their tables) run for DeepSpeed's
+``"optimizer"`` block, as DeepSpeed's ``torch_adam`` path would. They are not choices of the
+``picasso`` block, and the fused C++ kernels do not run them.
+
+Every optimizer of the ``picasso`` block also takes ``weight_decay`` (default 0: off), decoupled weight
 decay of the touched rows in AdamW's form: ``w *= 1 - lr * weight_decay``
 before the step above, on the rows of the update only (lazy, like the state).
 For ``sgd`` this is ``torch.optim.SGD(weight_decay=...)``; for ``adam`` with
@@ -56,6 +62,10 @@ __all__ = [
     "RowWiseAdagrad",
     "LazyAdam",
     "OPTIMIZERS",
+    "TORCH_ROW_OPTIMIZERS",
+    "TorchRowAdagrad",
+    "TorchRowAdam",
+    "TorchRowSGD",
     "create_optimizer",
     "resolve_hyperparams",
 ]
@@ -115,6 +125,7 @@ class SparseOptimizer(ABC):
     defaults: ClassVar[Mapping[str, float]]
     state_kinds: ClassVar[Mapping[str, StateKind]]
     uses_step: ClassVar[bool] = False
+    decoupled_decay_only: ClassVar[bool] = True  # lr x weight_decay < 1 is checked (torch's formulas: not)
 
     def __init__(self, **hyperparams: float) -> None:
         self.hyperparams: dict[str, float] = dict(resolve_hyperparams(self.name, hyperparams))
@@ -129,7 +140,8 @@ class SparseOptimizer(ABC):
     def lr(self, value: float) -> None:
         if not value >= 0.0:
             raise ValueError(f"learning rate must be >= 0, got {value}")
-        _check_decay(self.name, float(value), self.hyperparams["weight_decay"])
+        if self.decoupled_decay_only:
+            _check_decay(self.name, float(value), self.hyperparams["weight_decay"])
         self.hyperparams["lr"] = float(value)
 
     def decay_rows(self, weight: Tensor, rows: Tensor) -> None:
@@ -268,6 +280,174 @@ class LazyAdam(SparseOptimizer):
 
 OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
     cls.name: cls for cls in (SparseSGD, RowWiseAdagrad, LazyAdam)
+}
+
+
+class _TorchFormula(SparseOptimizer):
+    """A member of the family that runs one of torch.optim's formulas on the touched rows.
+
+    Its hyperparameters are torch's keyword arguments (booleans included), checked by the
+    subclass's constructor; ``weight_decay`` is torch's (L2 into the gradient, or AdamW's
+    decoupled form), so ``lr x weight_decay`` is not limited. The update reads the table's step
+    count from ``RowUpdate.step`` (one number: these run on whole table rows).
+    """
+
+    decoupled_decay_only = False
+    defaults: ClassVar[Mapping[str, float]] = {}
+
+    def __init__(self, **hyperparams: float) -> None:  # noqa: D107 - the subclasses check their own
+        self.hyperparams = dict(hyperparams)
+
+
+class TorchRowSGD(_TorchFormula):
+    """torch.optim.SGD on the touched rows: per-row momentum buffers, started like torch's on a row's first update.
+
+    State (with ``momentum`` only): ``momentum_buffer`` ``[rows, dim]`` and ``started`` (bool per row).
+
+    Example::
+
+        >>> opt = TorchRowSGD(lr=0.1, momentum=0.9); w = torch.zeros(3, 2)
+        >>> st = opt.init_state(3, 2, num_logical_rows=3)
+        >>> opt.update(w, st, RowUpdate.simple(torch.tensor([1]), torch.ones(1, 2), step=1)); w[1].tolist()
+        [-0.10000000149011612, -0.10000000149011612]
+    """
+
+    name = "torch_sgd"
+    state_kinds: ClassVar[Mapping[str, StateKind]] = {}
+
+    def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, maximize: bool = False) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"invalid SGD hyperparameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                         nesterov=nesterov, maximize=maximize)
+
+    def init_state(self, num_storage_rows: int, width: int, *, num_logical_rows: int,
+                   device: Optional[torch.device] = None) -> dict[str, Tensor]:
+        if not self.hyperparams["momentum"]:
+            return {}
+        return {"momentum_buffer": torch.zeros(num_storage_rows, width, dtype=torch.float32, device=device),
+                "started": torch.zeros(num_logical_rows, dtype=torch.bool, device=device)}
+
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        h, rows = self.hyperparams, upd.rows
+        p = weight[rows]
+        d_p = -upd.grad if h["maximize"] else upd.grad
+        if h["weight_decay"]:
+            d_p = d_p.add(p, alpha=h["weight_decay"])
+        if h["momentum"]:
+            old = state["momentum_buffer"][rows]
+            started = state["started"][rows].unsqueeze(1)
+            # torch starts a buffer at the first gradient (no dampening); later steps blend
+            buf = torch.where(started, old * h["momentum"] + d_p * (1 - h["dampening"]), d_p)
+            state["momentum_buffer"][rows] = buf
+            state["started"][rows] = True
+            d_p = d_p.add(buf, alpha=h["momentum"]) if h["nesterov"] else buf
+        weight[rows] = p.add(d_p, alpha=-self.lr)
+
+
+class TorchRowAdam(_TorchFormula):
+    """torch.optim.Adam / AdamW on the touched rows: per-row moments, the table's step count for the bias correction.
+
+    The update is torch's own, term by term (``lerp`` of the first moment, ``sqrt(v) /
+    sqrt(1 - beta2**t) + eps``, step ``lr / (1 - beta1**t)``), plus torch's weight decay: L2 into
+    the gradient (Adam) or decoupled ``p *= 1 - lr * wd`` (AdamW, default wd 0.01), and
+    ``maximize``. :class:`LazyAdam` (the ``picasso`` block's ``adam``) has the same Adam core and
+    bias correction, but rounds differently (its moments by ``mul``/``add`` and ``sqrt(v / (1 -
+    beta2**t))``) and decays only in AdamW's form: equal in exact arithmetic when wd = 0.
+
+    State: ``exp_avg`` and ``exp_avg_sq`` ``[rows, dim]`` (torch's names).
+
+    Example::
+
+        >>> opt = TorchRowAdam(decoupled=True, lr=0.1, weight_decay=0.0); w = torch.zeros(2, 2)
+        >>> st = opt.init_state(2, 2, num_logical_rows=2)
+        >>> opt.update(w, st, RowUpdate.simple(torch.tensor([0]), torch.ones(1, 2), step=1)); round(w[0, 0].item(), 4)
+        -0.1
+    """
+
+    name = "torch_adam"
+    state_kinds: ClassVar[Mapping[str, StateKind]] = {"exp_avg": "element", "exp_avg_sq": "element"}
+    uses_step = True
+
+    def __init__(self, decoupled: bool, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: Optional[float] = None, amsgrad: bool = False,
+                 maximize: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("amsgrad is not supported for embedding rows on the parameter servers")
+        if weight_decay is None:
+            weight_decay = 1e-2 if decoupled else 0.0  # torch's AdamW / Adam defaults
+        b1, b2 = betas
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"invalid Adam hyperparameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+        super().__init__(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                         maximize=maximize)
+
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        h, rows, steps = self.hyperparams, upd.rows, int(upd.step)
+        lr, beta1, beta2 = self.lr, h["beta1"], h["beta2"]
+        p = weight[rows]
+        g = -upd.grad if h["maximize"] else upd.grad
+        if h["weight_decay"]:
+            if h["decoupled"]:
+                p = p * (1 - lr * h["weight_decay"])
+            else:
+                g = g.add(p, alpha=h["weight_decay"])
+        m = state["exp_avg"][rows].lerp(g, 1 - beta1)
+        v = state["exp_avg_sq"][rows].mul(beta2).addcmul(g, g, value=1 - beta2)
+        bias1 = 1 - beta1 ** steps
+        bias2_sqrt = math.sqrt(1 - beta2 ** steps)
+        denom = (v.sqrt() / bias2_sqrt).add_(h["eps"])
+        state["exp_avg"][rows] = m
+        state["exp_avg_sq"][rows] = v
+        weight[rows] = p.addcdiv(m, denom, value=-lr / bias1)
+
+
+class TorchRowAdagrad(_TorchFormula):
+    """torch.optim.Adagrad on the touched rows: per-element accumulators, the table's step count for ``lr_decay``.
+
+    State: ``sum`` ``[rows, dim]`` (torch's name), started at ``initial_accumulator_value``.
+
+    Example::
+
+        >>> opt = TorchRowAdagrad(lr=0.1); w = torch.zeros(2, 1); st = opt.init_state(2, 1, num_logical_rows=2)
+        >>> opt.update(w, st, RowUpdate.simple(torch.tensor([1]), torch.ones(1, 1), step=1)); round(w[1, 0].item(), 4)
+        -0.1
+    """
+
+    name = "torch_adagrad"
+    state_kinds: ClassVar[Mapping[str, StateKind]] = {"sum": "element"}
+    uses_step = True
+
+    def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False) -> None:
+        if lr < 0 or lr_decay < 0 or weight_decay < 0 or initial_accumulator_value < 0 or eps < 0:
+            raise ValueError(f"invalid Adagrad hyperparameters lr={lr} lr_decay={lr_decay} wd={weight_decay}")
+        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                         initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
+
+    def init_state(self, num_storage_rows: int, width: int, *, num_logical_rows: int,
+                   device: Optional[torch.device] = None) -> dict[str, Tensor]:
+        return {"sum": torch.full((num_storage_rows, width), float(self.hyperparams["initial_accumulator_value"]),
+                                  dtype=torch.float32, device=device)}
+
+    def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
+        h, rows = self.hyperparams, upd.rows
+        p = weight[rows]
+        g = -upd.grad if h["maximize"] else upd.grad
+        if h["weight_decay"]:
+            g = g.add(p, alpha=h["weight_decay"])
+        clr = self.lr / (1 + (int(upd.step) - 1) * h["lr_decay"])
+        s = state["sum"][rows].addcmul(g, g, value=1)
+        state["sum"][rows] = s
+        weight[rows] = p.addcdiv(g, s.sqrt().add_(h["eps"]), value=-clr)
+
+
+# torch's formulas by the name of DeepSpeed's optimizer type (the parameter servers' rows); not picasso block choices
+TORCH_ROW_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+    "adam": TorchRowAdam, "adamw": TorchRowAdam, "sgd": TorchRowSGD, "adagrad": TorchRowAdagrad,
 }
 
 
