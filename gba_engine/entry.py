@@ -56,7 +56,7 @@ from .model_check import check_gba_model
 from .protocol import decode_int, joinable_key
 from .ps import init_runtime
 from .ps.link import LinkModel
-from .ps.runtime import join_runtime
+from .ps.rendezvous import join_runtime
 from .server_loop import ServerLoop
 from .startup import (WorkerMPU, batch_shape, check_config, clip_norm, load_config, server_schedule,
                       with_schedule_peaks)

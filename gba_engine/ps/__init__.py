@@ -15,8 +15,12 @@ Example::
 """
 from .client import PSClient, PSStalledError, Pulled, Token
 from .optim import LazyAdagrad, LazySGD, LazyTorchAdam, OptimizerSpec, RowOptimizer
-from .runtime import (Layout, Liveness, PSConnectionError, PSRuntime, ServerLostError, init_runtime, join_runtime, layout,
-                      read_layout)
+from .channel import PeerChannel
+from .errors import PSConnectionError, ServerLostError
+from .roles import Layout, layout
+from .liveness import Liveness
+from .rendezvous import init_runtime, join_runtime, read_layout
+from .runtime import PSRuntime
 from .server import ParameterServer, ServeStats, ShardState
 from .sharding import DenseSharding, RowRoute, ServerTableSpec
 from .wire import Header, Kind, ProtocolError
@@ -24,7 +28,7 @@ from .wire import Header, Kind, ProtocolError
 __all__ = [
     "DenseSharding", "Header", "Kind", "LazyAdagrad", "LazySGD", "LazyTorchAdam", "Layout",
     "Liveness", "OptimizerSpec", "PSClient", "PSConnectionError", "PSRuntime", "PSStalledError",
-    "ParameterServer", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ServerLostError",
+    "ParameterServer", "PeerChannel", "ProtocolError", "Pulled", "RowOptimizer", "RowRoute", "ServeStats", "ServerLostError",
     "ServerTableSpec",
     "ShardState", "Token", "init_runtime", "join_runtime", "layout", "read_layout",
 ]

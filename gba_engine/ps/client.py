@@ -375,7 +375,7 @@ class PSClient:
                         n_ints=0 if ints is None else ints.numel(), n_floats=0 if floats is None else floats.numel())
         t0 = time.time()
         try:
-            self._outgoing.append((server, seq, send_message(header, ints, floats, self.rt.link(server))))
+            self._outgoing.append((server, seq, send_message(header, ints, floats, self.rt.channel(server))))
             self.rt.ring(server)  # after the isends: the server will only recv data already on its way
         except RuntimeError as exc:
             self._broken = exc
@@ -416,7 +416,7 @@ class PSClient:
                 # the data is on its way: its recv ends by the wait's deadline (at least a heartbeat from now)
                 until = max(deadline, time.monotonic() + self.rt.heartbeat_s)
                 try:
-                    header, ints, floats = recv_message(dataclasses.replace(self.rt.link(src), deadline=until), src)
+                    header, ints, floats = recv_message(dataclasses.replace(self.rt.channel(src), deadline=until), src)
                 except RuntimeError as exc:  # gloo: the connection broke, or timed out (a server frozen mid-send)
                     if isinstance(exc, ProtocolError):
                         raise

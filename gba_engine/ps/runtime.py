@@ -36,6 +36,12 @@ that worker) gets a private two-rank gloo group with each server, built over a p
 the control-plane store when the server pops its ``join`` doorbell. Doorbells and worker
 inboxes carry the incarnation, so nothing sent to or by the dead process reaches the new one.
 
+The concerns live in their own modules: the layout of a launch, who serves and who works (:mod:`.roles`), the channel to
+one peer (:mod:`.channel`), heartbeats and liveness (:mod:`.liveness`), start-up and rejoin
+(:mod:`.rendezvous`), the errors (:mod:`.errors`); this module holds :class:`PSRuntime`, what a
+server or client holds once started, and keeps the old names importable from here
+(``Link``, now :class:`~.channel.PeerChannel`, with a deprecation warning).
+
 Example::
 
     dist.init_process_group("gloo")
@@ -50,247 +56,29 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import itertools
 import logging
-import os
-import socket
-import threading
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from ..config import HEARTBEAT_LEASE, GBAConfig
+from ..protocol import FLAG, AbortRecord, DoorbellMessage, abort_key, closed_key, inbox_key
+from .channel import PeerChannel, pair_group
+from .errors import NO_REPLACEMENT, PSConnectionError, ServerLostError, late
+from .roles import Layout, layout
 from .link import DelayedDoorbells, LinkModel
-from ..protocol import (FLAG, AbortRecord, DoorbellMessage, LayoutRecord, StoreAddress, abort_key, closed_key,
-                        heartbeat_key, host_key, inbox_key, incarnation_key, joinable_key, layout_key, pair_prefix,
-                        store_address_key)
+from .liveness import Heartbeat, Liveness
 
 if TYPE_CHECKING:
     from .store_host import StoreHost
 
+# and, from .rendezvous on first use: init_runtime, join_runtime, read_layout
+__all__ = ["Layout", "Liveness", "NO_REPLACEMENT", "PSConnectionError", "PSRuntime", "PeerChannel", "ServerLostError",
+           "late", "layout"]
+
 logger = logging.getLogger(__name__)
-
-_GENERATION = itertools.count()  # every rank creates runtimes in the same order: a shared key suffix
-NO_REPLACEMENT = ("a replacement server is not supported (in a gba phase the servers hold the only current copy of "
-                  "the dense state and the rows): restart the job from the last server checkpoint with --resume; "
-                  "the updates since that checkpoint are lost")
-
-
-class PSConnectionError(RuntimeError):
-    """A peer of the parameter-server protocol died or stopped answering within its deadline."""
-
-
-class ServerLostError(PSConnectionError):
-    """A parameter server died, froze or did not answer within ``timeout_s``: the job stops.
-
-    ``server`` is the server's rank, ``index`` its server index, ``by`` the rank that found it
-    (another rank than the one raising when it learnt it from the job's ``abort`` record).
-    A gloo error that revealed the loss is the ``__cause__``.
-
-    Example::
-
-        try:
-            client.pull()
-        except ServerLostError as exc:
-            exc.server, exc.index, exc.by        # 3, 0, 1
-    """
-
-    def __init__(self, message: str, server: int, index: int, by: int) -> None:
-        super().__init__(message)
-        self.server, self.index, self.by = server, index, by
-
-    def __reduce__(self):  # picklable with its fields (multiprocessing reports it)
-        return (type(self), (str(self), self.server, self.index, self.by))
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Which ranks of a launch are workers and which are parameter servers.
-
-    Example::
-
-        lay = layout(world_size=4, num_servers=1)
-        lay.workers, lay.servers, lay.role(3), lay.server_index(3)   # (0, 1, 2), (3,), 'server', 0
-    """
-
-    world_size: int
-    num_servers: int
-
-    @property
-    def workers(self) -> tuple[int, ...]:
-        """Worker ranks (the first ``world_size - num_servers``)."""
-        return tuple(range(self.world_size - self.num_servers))
-
-    @property
-    def servers(self) -> tuple[int, ...]:
-        """Server ranks (the last ``num_servers``), in server-index order."""
-        return tuple(range(self.world_size - self.num_servers, self.world_size))
-
-    def role(self, rank: int) -> str:
-        """``"worker"`` or ``"server"``."""
-        self._check(rank)
-        return "server" if rank >= self.world_size - self.num_servers else "worker"
-
-    def server_index(self, rank: int) -> int:
-        """Index 0..S-1 of a server rank (its dense range and its ids ``id % S``)."""
-        if self.role(rank) != "server":
-            raise ValueError(f"rank {rank} is a worker, not a server, in {self}")
-        return rank - (self.world_size - self.num_servers)
-
-    def worker_index(self, rank: int) -> int:
-        """Index 0..N-1 of a worker rank (its data shard)."""
-        if self.role(rank) != "worker":
-            raise ValueError(f"rank {rank} is a server, not a worker, in {self}")
-        return rank
-
-    def _check(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a launch of {self.world_size} ranks")
-
-
-def layout(world_size: int, num_servers: int) -> Layout:
-    """Validate and build the :class:`Layout` of a launch (raises a clear ValueError)."""
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    if num_servers < 1:
-        raise ValueError(f"gba.num_servers must be >= 1, got {num_servers}")
-    if num_servers >= world_size:
-        raise ValueError(
-            f"gba.num_servers={num_servers} leaves no worker in a launch of {world_size} ranks: the last "
-            f"num_servers ranks become parameter servers, so launch at least {num_servers + 1} ranks "
-            f"or lower gba.num_servers"
-        )
-    return Layout(world_size=world_size, num_servers=num_servers)
-
-
-def late(timeout_s: float) -> str:
-    """What a server that heartbeats but did not answer in time looks like, for a :meth:`PSRuntime.server_lost` state."""
-    return f"is alive (its heartbeat moves) but did not answer within timeout_s={timeout_s:g}s (slow or stuck)"
-
-
-def _reachable_host(master_addr: str) -> str:
-    """The address of this host that peers reaching ``master_addr`` can reach too."""
-    try:
-        infos = socket.getaddrinfo(master_addr, None, socket.AF_INET)
-        if infos and infos[0][4][0].startswith("127."):
-            return "127.0.0.1"  # a loopback launch: stay on loopback (DESIGN: never the hostname -I address)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((infos[0][4][0], 9))  # UDP connect sends nothing; it only picks the outgoing interface
-            return s.getsockname()[0]
-    except OSError as exc:
-        raise PSConnectionError(f"cannot find an address of this host that reaches the control host {master_addr}: {exc}") from exc
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """The gloo group that carries this rank's messages to/from one peer, and the peer's rank in it."""
-
-    group: dist.ProcessGroup
-    peer: int  # the peer's rank inside ``group``
-    incarnation: int = 0  # the worker's restart count this link belongs to
-    meter: Callable[[int], None] | None = dataclasses.field(default=None, compare=False)  # bytes sent, for a LinkModel
-    deadline: float | None = dataclasses.field(default=None, compare=False)  # time.monotonic() a recv must end by
-
-    def send(self, tensor) -> "dist.Work":
-        """Post an isend of ``tensor`` to the peer."""
-        if self.meter is not None:
-            self.meter(tensor.numel() * tensor.element_size())
-        return self.group.send([tensor], self.peer, 0)
-
-    def recv(self, tensor) -> None:
-        """Receive ``tensor`` from the peer (only after its doorbell: the data is on its way).
-
-        Bounded by the group's timeout, or by ``deadline`` when set (a peer that froze mid-send
-        must not hold the receiver past its wait's deadline).
-        """
-        work = self.group.recv([tensor], self.peer, 0)
-        if self.deadline is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 0.001)))
-
-
-def _pair_group(store: TCPStore, host: str, worker: int, server: int, incarnation: int, is_worker: bool,
-                timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A two-rank gloo group (worker = rank 0, server = rank 1), rendezvous under its own store prefix."""
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_reachable_host(host))]
-    prefix = dist.PrefixStore(pair_prefix(worker, server, incarnation), store)
-    return dist.ProcessGroupGloo(prefix, 0 if is_worker else 1, 2, opts)
-
-
-class _Heartbeat:
-    """Daemon thread bumping this rank's heartbeat counter every period, on its own store client."""
-
-    def __init__(self, host: str, port: int, rank: int, period_s: float, timeout_s: float) -> None:
-        self._stop = threading.Event()
-        self._store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        self._store.add(heartbeat_key(rank), 1)  # the key exists before anyone polls it
-        self._thread = threading.Thread(target=self._run, args=(rank, period_s), name=f"gba-heartbeat-{rank}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, rank: int, period_s: float) -> None:
-        while not self._stop.wait(period_s):
-            try:
-                self._store.add(heartbeat_key(rank), 1)
-            except Exception as exc:  # the store host has shut down: nobody is listening any more
-                logger.debug("heartbeat of rank %d stopped: %s", rank, exc)
-                return
-
-    def stop(self, timeout_s: float) -> None:
-        self._stop.set()
-        self._thread.join(timeout=timeout_s)
-
-
-class Liveness:
-    """Tells which ranks' heartbeats stopped moving for longer than the lease.
-
-    Example::
-
-        live = Liveness(rt, ranks=rt.layout.workers)
-        live.poll()          # set of ranks presumed lost now
-    """
-
-    def __init__(self, runtime: "PSRuntime", ranks: Iterable[int]) -> None:
-        self._rt = runtime
-        now = time.monotonic()
-        self._seen = {r: (-1, now) for r in ranks}  # rank -> (last counter, when it last changed)
-
-    @property
-    def lease_s(self) -> float:
-        """Seconds without a heartbeat after which a rank is presumed lost."""
-        return HEARTBEAT_LEASE * self._rt.heartbeat_s
-
-    def silent_s(self, rank: int) -> float:
-        """Seconds since ``rank``'s heartbeat last moved (as of the last :meth:`poll`)."""
-        return time.monotonic() - self._seen[rank][1]
-
-    def silence(self, rank: int) -> str:
-        """What a lost ``rank`` looks like, for a :meth:`PSRuntime.server_lost` state."""
-        return (f"stopped heartbeating (dead, frozen or cut off): its heartbeat has not moved for "
-                f"{self.silent_s(rank):.1f}s, past the lease of {self.lease_s:g}s")
-
-    def poll(self) -> set[int]:
-        """Read every tracked heartbeat once; return the ranks presumed lost.
-
-        Raises :class:`ServerLostError` once the job is aborted (a server was found lost by
-        any rank): every wait loop polls one, so none outlives the abort by more than its poll.
-        """
-        self._rt.check_abort()
-        now = time.monotonic()
-        lost = set()
-        for rank, (last, since) in self._seen.items():
-            beat = self._rt.store.add(heartbeat_key(rank), 0)  # add 0: reads without blocking on a missing key
-            if beat != last:
-                self._seen[rank] = (beat, now)
-            elif now - since > self.lease_s:
-                lost.add(rank)
-        return lost
 
 
 @dataclasses.dataclass
@@ -307,9 +95,9 @@ class PSRuntime:
     timeout_s: float
     heartbeat_s: float
     incarnation: int = 0  # 0: launched with the job; k: this worker's k-th restart (join_runtime)
-    _heartbeat: _Heartbeat | None = None
+    _heartbeat: Heartbeat | None = None
     _closed: bool = False
-    _links: dict = dataclasses.field(default_factory=dict)  # peer -> Link replacing (ps_group, peer)
+    _links: dict = dataclasses.field(default_factory=dict)  # peer -> PeerChannel replacing (ps_group, peer)
     link_model: LinkModel | None = None  # a modelled slow link to/from the servers (link.py); None: as fast as gloo
     _doorbells: DelayedDoorbells | None = None
     _unrung: dict = dataclasses.field(default_factory=dict)  # peer -> bytes sent since its last doorbell
@@ -370,17 +158,23 @@ class PSRuntime:
         logger.error("%s", reason)
         return ServerLostError(f"rank {self.rank}: {reason}", server=server, index=index, by=self.rank)
 
-    def link(self, peer: int) -> Link:
+    def channel(self, peer: int) -> PeerChannel:
         """How to reach ``peer``: the launch's ``ps_group``, or the pair group of a restarted worker."""
         if peer in self._links:
             base = self._links[peer]
         elif self.ps_group is None:
-            raise PSConnectionError(f"rank {self.rank} (incarnation {self.incarnation}) has no link to rank {peer}")
+            raise PSConnectionError(f"rank {self.rank} (incarnation {self.incarnation}) has no channel to rank {peer}")
         else:
-            base = Link(self.ps_group, peer)
+            base = PeerChannel(self.ps_group, peer)
         if self._doorbells is None:
             return base
         return dataclasses.replace(base, meter=lambda nbytes: self._count(peer, nbytes))
+
+    def link(self, peer: int) -> PeerChannel:
+        """Deprecated name of :meth:`channel` (a "link" is the modelled slow link of ``link.py``)."""
+        warnings.warn("PSRuntime.link(peer) is renamed PSRuntime.channel(peer); link() goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.channel(peer)
 
     def ring(self, dst: int) -> None:
         """Tell ``dst`` that a message from this rank is on its way (after its isends are posted).
@@ -388,7 +182,7 @@ class PSRuntime:
         With a :class:`~.link.LinkModel` the doorbell rings later, when the bytes sent to ``dst``
         since its last doorbell would have crossed the modelled link; this call returns at once.
         """
-        key = inbox_key(dst, self.link(dst).incarnation)
+        key = inbox_key(dst, self.channel(dst).incarnation)
         message = DoorbellMessage(self.rank, self.incarnation).encode()
         if self._doorbells is None:
             self.store.queue_push(key, message)
@@ -413,7 +207,7 @@ class PSRuntime:
                 except dist.DistStoreError:
                     return None
                 bell = DoorbellMessage.decode(raw)
-                if bell.join or bell.incarnation == self.link(bell.src).incarnation:
+                if bell.join or bell.incarnation == self.channel(bell.src).incarnation:
                     return bell
                 logger.debug("rank %d: skipped a doorbell of rank %d's dead incarnation %d", self.rank, bell.src,
                              bell.incarnation)
@@ -425,12 +219,12 @@ class PSRuntime:
 
         Raises RuntimeError when the new process does not build its side within ``timeout_s``.
         """
-        if incarnation <= self.link(worker).incarnation:
+        if incarnation <= self.channel(worker).incarnation:
             raise ValueError(f"rank {self.rank}: join of worker {worker} incarnation {incarnation}, which is not "
-                             f"newer than {self.link(worker).incarnation}")
-        group = _pair_group(self.store, self.store_host, worker, self.rank, incarnation, is_worker=False,
-                            timeout=datetime.timedelta(seconds=self.timeout_s))
-        self._links[worker] = Link(group, 0, incarnation)
+                             f"newer than {self.channel(worker).incarnation}")
+        group = pair_group(self.store, self.store_host, worker, self.rank, incarnation, is_worker=False,
+                           timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._links[worker] = PeerChannel(group, 0, incarnation)
 
     def close(self) -> None:
         """Stop the heartbeat and say goodbye (the store process stays up until every rank closed or is gone)."""
@@ -447,175 +241,18 @@ class PSRuntime:
             logger.debug("rank %d could not mark itself closed: %s", self.rank, exc)
 
 
-def _publish_control_plane(store: TCPStore, host: str, port: int, lay: Layout, control_file: str | None) -> None:
-    store.set(layout_key(), LayoutRecord(lay.world_size, lay.num_servers).encode())
-    if control_file:
-        path = os.path.abspath(control_file)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(f"{StoreAddress(host, port).encode()}\n")
-        os.replace(tmp, path)  # a restart script never reads half an address
+_STARTUP = ("init_runtime", "join_runtime", "read_layout")
 
 
-def _connect(control_plane: str | os.PathLike, timeout_s: float) -> tuple[TCPStore, str, int, Layout]:
-    """A client of the running job's control plane (``HOST:PORT`` or its control file), and the job's layout."""
-    text = str(control_plane)
-    if os.path.exists(text):
-        text = Path(text).read_text().strip()
-    try:
-        address = StoreAddress.decode(text)
-    except ValueError:
-        raise ValueError(f"control plane {str(control_plane)!r} is neither HOST:PORT nor a file holding it "
-                         "(gba.control_file of the running job)") from None
-    host, port = address.host, address.port
-    try:
-        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        record = LayoutRecord.decode(store.get(layout_key()))
-    except (RuntimeError, dist.DistStoreError) as exc:
-        raise PSConnectionError(f"no running gba job answers at {host}:{port}: {exc}") from exc
-    return store, host, port, layout(record.world_size, record.num_servers)
+def __getattr__(name: str) -> Any:
+    """The start-up functions (in :mod:`.rendezvous`, which imports this module) and the old name ``Link``."""
+    if name in _STARTUP:
+        from . import rendezvous
 
-
-def read_layout(control_plane: str | os.PathLike, timeout_s: float = 10.0) -> Layout:
-    """The :class:`Layout` of the running job at ``control_plane`` (``HOST:PORT`` or its control file).
-
-    Example::
-
-        read_layout("runs/x/control_plane").workers       # (0, 1, 2, 3)
-    """
-    return _connect(control_plane, timeout_s)[3]
-
-
-def join_runtime(config: GBAConfig, worker: int, control_plane: str | os.PathLike,
-                 link: LinkModel | None = None) -> PSRuntime:
-    """Connect a restarted worker process to a running job as ``worker`` (no torch.distributed needed).
-
-    ``control_plane`` is ``HOST:PORT`` or the job's ``gba.control_file``. Checks, each a
-    clear error: the address answers, ``worker`` is a worker of the job, the job has
-    ``config.num_servers`` servers, the job is in a gba
-    phase it will not leave (:func:`joinable_key`; sync mode keeps DeepSpeed's static group)
-    and the old process of ``worker`` is gone (its heartbeat has not moved for the lease).
-    Then it rings a ``join`` doorbell at every server and builds a pair group with each.
-
-    Example::
-
-        rt = join_runtime(GBAConfig(mode="gba", timeout_s=30), worker=1, control_plane="runs/x/control_plane")
-        client = PSClient(rt, dense_numel=n, embedding_specs=specs)
-    """
-    store, host, port, lay = _connect(control_plane, config.timeout_s)
-    timeout = datetime.timedelta(seconds=config.timeout_s)
-    if worker not in lay.workers:
-        raise ValueError(f"rank {worker} is not a worker of the running job (workers {list(lay.workers)}, "
-                         f"servers {list(lay.servers)}): only a worker can rejoin")
-    if lay.num_servers != config.num_servers:
-        raise ValueError(f"gba.num_servers={config.num_servers}, but the running job at {host}:{port} has "
-                         f"{lay.num_servers}: rejoin with the job's config")
-    deadline = time.monotonic() + config.timeout_s
-    while not store.check([joinable_key()]):
-        if time.monotonic() > deadline:
-            raise PSConnectionError(f"the job at {host}:{port} does not accept a restarted worker: it is not in a gba "
-                                    f"phase it keeps (sync mode runs DeepSpeed's fixed group) after "
-                                    f"{config.timeout_s:.0f}s")
-        time.sleep(0.05)
-    beat, since = store.add(heartbeat_key(worker), 0), time.monotonic()
-    lease = HEARTBEAT_LEASE * config.heartbeat_s
-    while time.monotonic() - since <= lease:  # the old process must be gone, or two would speak for one worker
-        time.sleep(min(config.heartbeat_s, 0.05))
-        if store.add(heartbeat_key(worker), 0) != beat:
-            raise ValueError(f"worker {worker} of the job at {host}:{port} is alive (its heartbeat moves): "
-                             "only a worker whose process died can be replaced")
-    incarnation = store.add(incarnation_key(worker), 1)
-    heartbeat = _Heartbeat(host, port, worker, config.heartbeat_s, config.timeout_s)
-    store.set(host_key(worker), socket.gethostname())
-    links = {}
-    try:
-        for s in lay.servers:
-            store.queue_push(inbox_key(s), DoorbellMessage(worker, incarnation, join=True).encode())
-        for s in lay.servers:  # in server order; each server builds its side when it pops the join
-            links[s] = Link(_pair_group(store, host, worker, s, incarnation, is_worker=True, timeout=timeout), 1)
-    except RuntimeError as exc:
-        heartbeat.stop(config.heartbeat_s + 1.0)
-        raise PSConnectionError(f"worker {worker} could not connect to the servers of the job at {host}:{port} "
-                                f"within {config.timeout_s:.0f}s (has the job ended?): {exc}") from exc
-    logger.info("worker %d rejoined the job at %s:%d as incarnation %d", worker, host, port, incarnation)
-    return PSRuntime(rank=worker, layout=lay, ps_group=None, worker_group=None, store=store, store_host=host,
-                     store_port=port, timeout_s=config.timeout_s, heartbeat_s=config.heartbeat_s,
-                     incarnation=incarnation, _heartbeat=heartbeat, _links=links, link_model=link)
-
-
-def _wait_address(default_store: dist.Store, key: str, rank: int, first_server: int, timeout_s: float) -> bytes:
-    """The control plane's address the first server publishes on the launch's store, within a deadline.
-
-    The first server may still be building its model, then starts the store process (at most
-    ``max(timeout_s, 30)`` s, ``store_host.start_store_host``): the wait ends after both, or at once
-    with the first server's error when it failed.
-    """
-    limit = max(timeout_s, 30.0) + timeout_s
-    deadline = time.monotonic() + limit
-    while not default_store.check([key]):
-        if default_store.check([f"{key}/error"]):
-            error = default_store.get(f"{key}/error").decode(errors="replace")
-            raise PSConnectionError(f"rank {rank}: the first parameter server (rank {first_server}) could not start "
-                                    f"the job's control plane: {error}")
-        if time.monotonic() > deadline:
-            raise PSConnectionError(f"rank {rank}: the first parameter server (rank {first_server}) did not publish "
-                                    f"the job's control plane within {limit:g}s (max(gba.timeout_s, 30) for its store "
-                                    "process + gba.timeout_s): is it alive, and did it reach gba_engine.initialize?")
-        time.sleep(0.02)
-    return default_store.get(key)
-
-
-def init_runtime(config: GBAConfig, control_host: str = "127.0.0.1", link: LinkModel | None = None) -> PSRuntime:
-    """Create the PS groups and control plane; every rank of the launch must call it, in the same order.
-
-    ``control_host`` is the launch's master address (the launcher's ``MASTER_ADDR``): the
-    first server hosts the control plane on its address that peers reaching it can reach.
-    ``link``: a modelled slow link for this rank's parameter-server messages (``ps/link.py``);
-    pass the same one on every rank, so that requests and replies both pay it.
-
-    Raises ValueError for a bad ``num_servers`` (on every rank, before any collective).
-
-    Example::
-
-        rt = init_runtime(GBAConfig(num_servers=2, timeout_s=30))
-        rt.layout.servers       # the last two ranks
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("init_runtime needs torch.distributed initialised (deepspeed.init_distributed) first")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lay = layout(world, config.num_servers)
-    timeout = datetime.timedelta(seconds=config.timeout_s)
-    ps_group = dist.new_group(ranks=list(range(world)), backend="gloo", timeout=timeout)
-    worker_group = dist.new_group(ranks=list(lay.workers), timeout=timeout)
-    if rank not in lay.workers:
-        worker_group = None
-    default_store = dist.distributed_c10d._get_default_store()
-    addr_key = store_address_key(next(_GENERATION))
-    process = None
-    if rank == lay.servers[0]:
-        from .store_host import StoreHostError, start_store_host  # imported here: the module is also a __main__
-
-        try:
-            host = _reachable_host(control_host)
-            try:
-                process = start_store_host(host, world, config.timeout_s, config.heartbeat_s)
-            except StoreHostError as exc:
-                raise PSConnectionError(f"rank {rank} (first server): {exc}") from exc
-            port = process.port
-            store = TCPStore(host, port, is_master=False, timeout=timeout)
-            _publish_control_plane(store, host, port, lay, config.control_file)
-        except Exception as exc:  # the other ranks wait for the address: tell them why none comes
-            default_store.set(f"{addr_key}/error", f"{type(exc).__name__}: {exc}")
-            raise
-        default_store.set(addr_key, StoreAddress(host, port).encode())
-    else:
-        address = StoreAddress.decode(_wait_address(default_store, addr_key, rank, lay.servers[0], config.timeout_s))
-        host, port = address.host, address.port
-        store = TCPStore(host, port, is_master=False, timeout=timeout)
-    heartbeat = _Heartbeat(host, port, rank, config.heartbeat_s, config.timeout_s)
-    store.set(host_key(rank), socket.gethostname())  # the messages that name a lost rank name its host too
-    logger.info("rank %d is a PS %s; control plane at %s:%d", rank, lay.role(rank), host, port)
-    return PSRuntime(rank=rank, layout=lay, ps_group=ps_group, worker_group=worker_group, store=store,
-                     store_host=host, store_port=port, timeout_s=config.timeout_s,
-                     heartbeat_s=config.heartbeat_s, _heartbeat=heartbeat, link_model=link, store_process=process)
+        return getattr(rendezvous, name)
+    if name == "Link":
+        warnings.warn("gba_engine.ps.runtime.Link is renamed gba_engine.ps.channel.PeerChannel (a 'link' is the "
+                      "modelled slow link of gba_engine.ps.link); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return PeerChannel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

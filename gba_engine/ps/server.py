@@ -404,7 +404,7 @@ class ParameterServer:
             return
         try:
             self._reap(src)
-            header, ints, floats = recv_message(self.rt.link(src), src)
+            header, ints, floats = recv_message(self.rt.channel(src), src)
         except RuntimeError as exc:
             if isinstance(exc, ProtocolError):
                 raise
@@ -596,7 +596,7 @@ class ParameterServer:
                         flags=flags, n_ints=0 if ints is None else ints.numel(), n_floats=floats.numel(),
                         stamp=self._row_clock)
         try:
-            self._outgoing[pull.src].append(send_message(header, ints, floats, self.rt.link(pull.src)))
+            self._outgoing[pull.src].append(send_message(header, ints, floats, self.rt.channel(pull.src)))
             self.rt.ring(pull.src)
         except RuntimeError as exc:
             self._mark_dead(pull.src, exc)

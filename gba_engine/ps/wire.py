@@ -1,6 +1,6 @@
 """The parameter-server wire format: one fixed-size int64 header, then at most two payloads.
 
-A message is sent with gloo point-to-point over the peer's :class:`~.runtime.Link` (the
+A message is sent with gloo point-to-point over the peer's :class:`~.channel.PeerChannel` (the
 PS process group, or a restarted worker's pair group):
 
 1. ``header``: int64[HEADER_LEN] (fields below);
@@ -19,9 +19,9 @@ pair closure"), so deadlines live on the store, never on a gloo recv.
 Example::
 
     h = Header(kind=Kind.PULL, seq=3, src=0, schema=schema_id(10, specs), n_ints=5)
-    out = send_message(h, ints=ids_payload, floats=None, link=rt.link(2))
+    out = send_message(h, ints=ids_payload, floats=None, channel=rt.channel(2))
     ... ring the doorbell ...
-    h2, ints, floats = recv_message(rt.link(0), src=0)    # on rank 2
+    h2, ints, floats = recv_message(rt.channel(0), src=0)    # on rank 2
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ class Outgoing:
         self.tensors = []
 
 
-def send_message(header: Header, ints: Tensor | None, floats: Tensor | None, link) -> Outgoing:
+def send_message(header: Header, ints: Tensor | None, floats: Tensor | None, channel) -> Outgoing:
     """Post the ``isend``s of one message (header, then non-empty payloads); returns at once."""
     if (ints is None and header.n_ints) or (ints is not None and ints.numel() != header.n_ints):
         raise ProtocolError(f"header says {header.n_ints} ints, payload has {None if ints is None else ints.numel()}")
@@ -198,21 +198,21 @@ def send_message(header: Header, ints: Tensor | None, floats: Tensor | None, lin
         tensors.append(ints.contiguous())
     if header.n_floats:
         tensors.append(floats.contiguous())
-    works = [link.send(t) for t in tensors]
+    works = [channel.send(t) for t in tensors]
     return Outgoing(works=works, tensors=tensors)
 
 
-def recv_message(link, src: int) -> tuple[Header, Tensor, Tensor]:
-    """Receive one announced message from rank ``src`` over its ``link``: (header, ints, floats); empty payloads are empty."""
+def recv_message(channel, src: int) -> tuple[Header, Tensor, Tensor]:
+    """Receive one announced message from rank ``src`` over its ``channel``: (header, ints, floats); empty payloads are empty."""
     raw = torch.empty(HEADER_LEN, dtype=torch.int64)
-    link.recv(raw)
+    channel.recv(raw)
     header = Header.from_tensor(raw)
     if header.src != src:
         raise ProtocolError(f"message from rank {src} claims to come from rank {header.src}")
     ints = torch.empty(header.n_ints, dtype=torch.int64)
     floats = torch.empty(header.n_floats, dtype=torch.float32)
     if header.n_ints:
-        link.recv(ints)
+        channel.recv(ints)
     if header.n_floats:
-        link.recv(floats)
+        channel.recv(floats)
     return header, ints, floats
