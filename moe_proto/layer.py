@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from . import dispatch as dispatch_ops
 from . import ds_layout
 from . import parallel
+from . import tensor_parallel
 from .args import MoEArgs
 from .dispatch import DispatchPlan
 from .experts import GroupedExperts
@@ -69,29 +70,18 @@ def _experts_from_module(expert: nn.Module, args: MoEArgs) -> nn.Module:
     return experts
 
 
-def _check_tensor_parallelism(layer: "MoEBase", groups: object) -> None:
-    """Refuse a tensor-parallel ``groups.mpu`` (tensor-parallel size > 1) on every rank; else nothing to do.
-
-    Under such an mpu DeepSpeed's ``MOELayer`` sends only each tensor-parallel rank's 1/tp share of the
-    (duplicate) tokens through the all-to-all and all-gathers them after, whatever
-    ``enable_expert_tensor_parallelism`` says; with the flag it also builds expert-parallel groups of
-    equal tensor-parallel rank (``_create_expert_data_and_model_parallel``) and all-gathers the rows
-    over the tensor-parallel group before the (tensor-parallel) expert modules run. This layer does
-    none of it: it would compute every token tp times and sum tp copies into its expert gradients.
-    Without an mpu, or with tensor-parallel size 1, the flag changes nothing, here as in DeepSpeed.
-    """
+def _tensor_parallel_of(groups: object) -> Tuple[int, int, Optional[object]]:
+    """``(size, rank, group)`` of the tensor-parallel ``groups.mpu`` (``(1, 0, None)`` without one)."""
     mpu = getattr(groups, "mpu", None)
     if mpu is None:
-        return
-    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+        return 1, 0, None
+    from deepspeed.utils.bwc import (bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_rank,
+                                     bwc_tensor_model_parallel_world_size)
 
-    tp = bwc_tensor_model_parallel_world_size(mpu)
-    if tp > 1:  # the mpu is the same object on every rank: every rank raises here
-        raise ValueError(f"MoE layer under a tensor-parallel mpu (size {tp}, enable_expert_tensor_parallelism="
-                         f"{layer.enable_expert_tensor_parallelism}): moe_proto.MoE does not drop and re-gather "
-                         "the tensor-parallel ranks' duplicate tokens around its all-to-all, nor run tensor-parallel "
-                         "experts on expert-model-parallel groups, as DeepSpeed's MOELayer does (it would compute "
-                         f"each token {tp} times); use deepspeed.moe.layer.MoE with tensor parallelism")
+    size = bwc_tensor_model_parallel_world_size(mpu)
+    if size <= 1:
+        return 1, 0, None
+    return size, bwc_tensor_model_parallel_rank(mpu), bwc_tensor_model_parallel_group(mpu)
 
 
 class MoEBase(nn.Module):
@@ -115,6 +105,7 @@ class MoEBase(nn.Module):
     """
 
     _binds_deepspeed_layout = True  # set_deepspeed_parallelism switches the state dict to DeepSpeed's keys
+    _supports_tensor_parallel_mpu = True  # a tensor-parallel groups.mpu (moe_proto.tensor_parallel)
 
     def __init__(self,
                  hidden_size: int,
@@ -174,6 +165,9 @@ class MoEBase(nn.Module):
         self.ep_fixed_splits = ep_fixed_splits
         self.ep_group: Optional[object] = None
         self.ep_rank = 0
+        # Tensor-parallel mpu (set when bound; moe_proto.tensor_parallel): size, rank, group, expert TP.
+        self.tp_size, self.tp_rank, self.tp_group = 1, 0, None
+        self.expert_tensor_parallel = False
         self.gate = Router(hidden_size, args)  # key gate.weight, as the nn.Linear gate it replaces
         if expert is None:
             if ffn_hidden_size is None:
@@ -285,16 +279,39 @@ class MoEBase(nn.Module):
     def compute(self, buffer: Tensor, plan: DispatchPlan) -> Tensor:
         """Stage 3: every expert over its rows, one grouped matmul per projection.
 
-        With ``ep_size > 1`` the rows travel to the ranks owning their experts and back.
+        With ``ep_size > 1`` the rows travel to the ranks owning their experts and back. Under a
+        tensor-parallel mpu each tensor-parallel rank sends only its share of the rows, and the
+        shares are all-gathered after (:mod:`moe_proto.tensor_parallel`, as DeepSpeed's MOELayer).
         """
+        if self.tp_size == 1:
+            return self._compute_rows(buffer, plan.tokens_per_expert, plan.capacity)
+        split = tensor_parallel.RowSplit.of(plan.tokens_per_expert, self.tp_size, self.tp_rank)
+        share = tensor_parallel.keep_share(buffer, split, self.tp_group)
+        capacity = None if plan.capacity is None else -(-plan.capacity // self.tp_size)
+        counts = split.counts[self.tp_rank].to(plan.tokens_per_expert.device)
+        return tensor_parallel.gather_shares(self._compute_rows(share, counts, capacity), split, self.tp_group)
+
+    def _compute_rows(self, rows: Tensor, tokens_per_expert: Tensor, capacity: Optional[int]) -> Tensor:
+        if self.args.ep_size == 1 and not self.expert_tensor_parallel:
+            return self.experts(rows, tokens_per_expert)
         if self.args.ep_size == 1:
-            return self.experts(buffer, plan.tokens_per_expert)
+            return self._run_experts(rows, tokens_per_expert.unsqueeze(0))
         group = self._expert_parallel_group()
-        exchange = parallel.plan_exchange(plan.tokens_per_expert, group, hidden_size=self.args.hidden_size,
-                                          dtype=buffer.dtype, capacity=plan.capacity,
-                                          fixed_splits=self.ep_fixed_splits)
-        local = parallel.dispatch_to_experts(buffer, exchange, group)
-        return parallel.combine_from_experts(self.experts(local, exchange.recv_counts), exchange, group)
+        exchange = parallel.plan_exchange(tokens_per_expert, group, hidden_size=self.args.hidden_size,
+                                          dtype=rows.dtype, capacity=capacity, fixed_splits=self.ep_fixed_splits)
+        local = parallel.dispatch_to_experts(rows, exchange, group)
+        return parallel.combine_from_experts(self._run_experts(local, exchange.recv_counts), exchange, group)
+
+    def _run_experts(self, local: Tensor, recv_counts: Tensor) -> Tensor:
+        """The local experts over received rows (``recv_counts [blocks, L]``); with expert tensor parallelism
+        over the rows of every rank of the tensor-parallel group (the expert modules are tensor-parallel)."""
+        if not self.expert_tensor_parallel:
+            return self.experts(local, recv_counts)
+        every = tensor_parallel.gather_counts(recv_counts, self.tp_group)            # [tp, blocks, L]
+        sizes = [int(c) for c in every.sum(dim=(1, 2))]
+        rows = tensor_parallel.gather_slices(local, sizes, self.tp_rank, self.tp_group)
+        out = self.experts(rows, every.reshape(-1, every.shape[-1]).to(recv_counts.device))
+        return tensor_parallel.keep_slice(out, sizes, self.tp_rank, self.tp_group)
 
     @property
     def expert_range(self) -> Tuple[int, int]:
@@ -314,13 +331,23 @@ class MoEBase(nn.Module):
         """
         from deepspeed.utils import groups
 
-        _check_tensor_parallelism(self, groups)
+        self.tp_size, self.tp_rank, self.tp_group = _tensor_parallel_of(groups)
+        if self.tp_size > 1 and not self._supports_tensor_parallel_mpu:  # the mpu is everyone's: every rank raises
+            raise ValueError(f"{type(self).__name__} under a tensor-parallel mpu (size {self.tp_size}): not "
+                             "supported; tensor parallelism with MoE layers is tested with moe_proto.MoE (ZeRO 0-2)")
         if self._binds_deepspeed_layout:  # ZeRO-3 layers keep their stacked keys (moe_proto.checkpoint)
             self.state_dict_layout = "deepspeed"  # what DeepSpeed's save_checkpoint/load_checkpoint split per expert
         if self.expert_group_name not in groups._get_expert_parallel_group_dict():
             logger.info("creating DeepSpeed expert-parallel groups %s", self.expert_group_name)
-            groups._create_expert_and_data_parallel(
-                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+            if self.tp_size > 1 and self.enable_expert_tensor_parallelism:
+                # Expert-parallel groups of equal tensor-parallel rank; each expert is tensor-parallel itself.
+                groups._create_expert_data_and_model_parallel(
+                    self.ep_size, mpu=groups.mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+            else:
+                groups._create_expert_and_data_parallel(
+                    self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        # As DeepSpeed's MOELayer: the groups (the first layer that created them) decide, not this layer's flag.
+        self.expert_tensor_parallel = self.tp_size > 1 and groups._get_expert_model_parallel_world_size() > 1
         self.set_expert_parallel_group(groups._get_expert_parallel_group(self.expert_group_name))
 
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:

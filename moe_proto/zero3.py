@@ -79,6 +79,7 @@ class ZeRO3MoE(MoEBase, _AutoEPMoELayer):
 
     _z3_leaf = True  # ZeRO-3 gathers the whole layer at its pre-forward hook (deepspeed.utils.z3_leaf_module)
     _binds_deepspeed_layout = False  # DeepSpeed's save splits only ZeRO 0-2 layers; moe_proto.checkpoint here
+    _supports_tensor_parallel_mpu = False  # untested with ZeRO-3's partitioning: refused when bound
 
     def _check_zero_stage(self, zero_stage: Optional[int]) -> None:
         if zero_stage not in (None, 3):

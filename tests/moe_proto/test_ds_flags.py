@@ -1,9 +1,9 @@
 """DeepSpeed's layer flags moe_proto.MoE once refused: enable_expert_tensor_parallelism and use_tutel.
 
 DeepSpeed reads ``enable_expert_tensor_parallelism`` only with a tensor-parallel ``groups.mpu``;
-without one, training with it must equal training without it. Under a tensor-parallel mpu the
-layer refuses the mpu when bound, with the flag or without (DeepSpeed drops the tensor-parallel ranks'
-duplicate tokens either way; every rank raises: the mpu is everyone's). ``use_tutel=True`` warns and
+without one, training with it must equal training without it. Under a tensor-parallel mpu
+moe_proto.MoE trains (tests/moe_proto/test_tensor_parallel.py); the ZeRO-3 layer refuses the mpu
+when bound (every rank raises: the mpu is everyone's). ``use_tutel=True`` warns and
 falls back, as DeepSpeed does without Tutel installed.
 """
 import pytest
@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from moe_proto import MoE
-from moe_proto.layer import _check_tensor_parallelism
 from sparse_scale.multiproc import run_distributed
 
 D, E = 8, 4
@@ -54,27 +53,27 @@ def test_expert_tensor_parallelism_without_a_tensor_parallel_mpu_trains_as_witho
         assert losses[True] == losses[False]
 
 
-@pytest.mark.parametrize("flag", [True, False])
-def test_a_tensor_parallel_mpu_is_refused_with_its_reason(flag):
-    """DeepSpeed drops the tensor-parallel ranks' duplicate tokens under such an mpu with or without the flag."""
+def test_the_zero3_layer_refuses_a_tensor_parallel_mpu_with_its_reason():
+    """moe_proto.MoE trains under one (tests/moe_proto/test_tensor_parallel.py); ZeRO3MoE is not tested there."""
     from deepspeed.utils import groups
 
-    class TensorParallel:
-        def __init__(self, size):
-            self.size = size
+    from moe_proto import ZeRO3MoE
 
+    class TensorParallel2:
         def get_tensor_model_parallel_world_size(self):
-            return self.size
+            return 2
 
-    layer = MoE(D, None, num_experts=E, ffn_hidden_size=16, enable_expert_tensor_parallelism=flag)
-    saved = groups.mpu
+        def get_tensor_model_parallel_rank(self):
+            return 0
+
+        def get_tensor_model_parallel_group(self):
+            return None
+
+    layer = ZeRO3MoE(D, None, num_experts=E, ffn_hidden_size=16, enable_expert_tensor_parallelism=True)
+    saved, groups.mpu = groups.mpu, TensorParallel2()
     try:
-        groups.mpu = TensorParallel(2)
-        with pytest.raises(ValueError, match=f"tensor-parallel mpu \\(size 2, enable_expert_tensor_parallelism={flag}"
-                                             "\\).*duplicate tokens.*each token 2 times"):
+        with pytest.raises(ValueError, match=r"ZeRO3MoE under a tensor-parallel mpu \(size 2\): not supported"):
             layer.set_deepspeed_parallelism()
-        groups.mpu = TensorParallel(1)  # tensor-parallel size 1: nothing to drop (binding needs a process group)
-        _check_tensor_parallelism(layer, groups)
     finally:
         groups.mpu = saved
 
