@@ -2,7 +2,8 @@
 
 The run is ``benchmarks/system.py``'s "ours packed" (DLRM, F fields x vocab rows x dim 16, batch 256 per
 rank, 2 gloo ranks, row-wise Adagrad on the tables, AdamW on the dense part, ``--threads 1``), with
-``picasso.pipeline`` false and true, variants alternated ``--reps`` times so that machine noise hits
+``picasso.pipeline`` "off" and on ("all" for data-parallel tables: their row unions; "row_wise" for
+row-wise tables: their ids and rows), variants alternated ``--reps`` times so that machine noise hits
 both alike; per sharding (``--shardings``: the rivals' data_parallel, and row_wise where the pipeline
 moves the most). Prints one line per run and a table of medians and ranges (markdown).
 
@@ -34,7 +35,7 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def config(fields: int, dim: int, sharding: str, pipeline: bool) -> dict[str, Any]:
+def config(fields: int, dim: int, sharding: str, pipeline: str) -> dict[str, Any]:
     """``benchmarks/system.py``'s ``ds_config(shape, picasso=True)`` plus ``sharding`` and ``pipeline``."""
     return {
         "train_micro_batch_size_per_gpu": 256, "gradient_accumulation_steps": 1,
@@ -85,7 +86,8 @@ def main() -> None:
             for pipeline in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate the order too
                 with tempfile.TemporaryDirectory() as tmp:
                     cfg = Path(tmp) / "cfg.json"
-                    cfg.write_text(json.dumps(config(args.fields, args.dim, sharding, pipeline)))
+                    mode = ("all" if sharding == "data_parallel" else "row_wise") if pipeline else "off"
+                    cfg.write_text(json.dumps(config(args.fields, args.dim, sharding, mode)))
                     argv = argv_of(cfg, Path(tmp) / "out", args.fields, args.vocab, args.dim, args.steps,
                                    args.eval_samples)
                     r = run_distributed(rank_run, 2, args=(argv,), timeout_s=1800, init_process_group=False)[0]

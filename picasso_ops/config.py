@@ -125,13 +125,16 @@ class PicassoConfig(StrictBlock):
     interleave: InterleaveConfig = Field(
         InterleaveConfig(), description="Micro-batch interleaving inside a step and read-ahead of training batches "
                                         "(both off by default).")
-    pipeline: bool = Field(
-        False, description="Sparse-dist pipeline: a background thread reads the next training batch and, on a gloo "
-                           "group of its own, deduplicates and exchanges its ids (row-wise tables: ids to the "
-                           "owners, then the rows once this batch's step is done; data-parallel tables: the union "
-                           "of the ranks' rows) while this batch's forward and backward run. Results equal the "
-                           "unpipelined step bit for bit. The rec job, per-rank streams, interleave.micro_batches "
-                           "1 and no cache only; false: off.")
+    pipeline: Literal["row_wise", "all", "off"] = Field(
+        "row_wise", description='Sparse-dist pipeline of the rec job: a background thread reads the next training '
+                                'batch and, on a gloo group of its own, prepares its lookups while this batch\'s '
+                                'forward and backward run. "row_wise" (default): the row-wise tables\' ids are '
+                                'deduplicated and sent to their owners, and the rows fetched once this batch\'s '
+                                'step is done (a model without row-wise tables runs unpipelined); "all": also the '
+                                'data-parallel tables\' row union over the ranks, so their step skips the dedup '
+                                '(measured slower: that union costs more than it saves); "off". Results equal the '
+                                'unpipelined step bit for bit. Per-rank streams, interleave.micro_batches 1 and no '
+                                'cache only.')
     bounds_check: Literal["fatal", "warn", "clamp"] = Field(
         "fatal", description='What a lookup does with an embedding id < 0 or >= its table\'s rows (FBGEMM\'s '
                              'BoundsCheckMode): "fatal" stops with an error naming the field, table, id and range; '

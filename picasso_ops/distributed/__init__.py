@@ -11,11 +11,13 @@ Example::
     >>> # loss.backward(); then on every rank, once per optimizer step:
     >>> dp.sparse_step(); rw.sparse_step()
     >>> replica_problems(model, world_size=2)  # table modules whose ranks would drift apart: refuse them
+    >>> pipe = SparseDistPipeline(model, peek=stream.peek, to_batch=lambda b: (b.values, b.lengths))  # next batch's ids
 """
 
 from picasso_ops.distributed.comm import world_info
 from picasso_ops.distributed.data_parallel import DataParallelEmbeddingCollection
 from picasso_ops.distributed.mixed import MixedEmbeddingCollection
+from picasso_ops.distributed.pipeline import PipelineError, SparseDistPipeline
 from picasso_ops.distributed.planner import CostModel, ShardingPlan, plan_tables
 from picasso_ops.distributed.replicas import replica_problems
 from picasso_ops.distributed.row_sharded import RowShardedEmbeddingCollection, shard_rows
@@ -37,4 +39,6 @@ __all__ = [
     "engine_step",
     "world_info",
     "replica_problems",
+    "SparseDistPipeline",
+    "PipelineError",
 ]

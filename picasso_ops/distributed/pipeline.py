@@ -85,11 +85,12 @@ class _Round:
     error: Optional[BaseException] = None
 
 
-def pipelined_tables(model: nn.Module) -> list[_Target]:
+def pipelined_tables(model: nn.Module, data_parallel: bool = True) -> list[_Target]:
     """The packed table collections of ``model``'s field-embedding modules the pipeline prepares, with their keys.
 
     Field-embedding modules (``picasso_ops.models``' packed ones) call their collection with a
     ``JaggedBatch(keys, values, lengths)``; a mixed collection counts as its two parts.
+    ``data_parallel`` False: the row-wise collections only.
 
     Example::
 
@@ -102,8 +103,9 @@ def pipelined_tables(model: nn.Module) -> list[_Target]:
         if not isinstance(keys, tuple) or coll is None:
             continue
         parts: Sequence[nn.Module] = coll.parts if isinstance(coll, MixedEmbeddingCollection) else [coll]
-        out += [_Target(keys, p) for p in parts
-                if isinstance(p, (DataParallelEmbeddingCollection, RowShardedEmbeddingCollection))]
+        kinds = (DataParallelEmbeddingCollection, RowShardedEmbeddingCollection) if data_parallel else (
+            RowShardedEmbeddingCollection,)
+        out += [_Target(keys, p) for p in parts if isinstance(p, kinds)]
     return out
 
 
@@ -118,6 +120,8 @@ class SparseDistPipeline:
             the field-embedding modules pass them to their collections.
         timeout_s: deadline of every wait and of the group's collectives.
         group: the pipeline's process group (default: a new gloo group over the world, a collective).
+        data_parallel: also prepare the data-parallel tables' row unions (False: the row-wise tables only;
+            the union's local dedup can cost as much as the step's dedup it saves, benchmarks/RESULTS.md).
 
     Example::
 
@@ -125,11 +129,13 @@ class SparseDistPipeline:
     """
 
     def __init__(self, model: nn.Module, peek: Callable[[], Any], to_batch: Callable[[Any], tuple[Tensor, ...]],
-                 *, timeout_s: float = 300.0, group: Optional[ProcessGroup] = None) -> None:
-        self.targets = pipelined_tables(model)
+                 *, timeout_s: float = 300.0, group: Optional[ProcessGroup] = None,
+                 data_parallel: bool = True) -> None:
+        self.targets = pipelined_tables(model, data_parallel)
         if not self.targets:
-            raise ValueError("SparseDistPipeline: the model has no data-parallel or row-sharded packed tables "
-                             "under a field-embedding module (nothing to prepare)")
+            kinds = "data-parallel or row-sharded" if data_parallel else "row-sharded"
+            raise ValueError(f"SparseDistPipeline: the model has no {kinds} packed tables under a field-embedding "
+                             "module (nothing to prepare)")
         self.rank, self.world_size = world_info(None)
         if group is None and self.world_size > 1:  # every rank, in the same order: a collective
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -82,11 +82,11 @@ def early_stopping(job: RecJob) -> EarlyStopping | None:
 def sparse_pipeline(job: RecJob, engine: RecEngine, stream: TrainStream) -> Any:
     """The job's sparse-dist pipeline (``picasso.pipeline``), or ``None`` where it is off or does not apply.
 
-    It applies to per-rank streams with packed data-parallel or row-wise tables under
-    ``sparse_scale.initialize``'s DeepSpeed engine, with ``interleave.micro_batches`` 1 and no cache.
+    It applies to per-rank streams with packed row-wise tables (``"all"``: or data-parallel ones)
+    under ``sparse_scale.initialize``'s DeepSpeed engine, with ``interleave.micro_batches`` 1 and no cache.
     """
     block = job.picasso
-    if block is None or not block.pipeline:
+    if block is None or block.pipeline == "off":
         return None
     why = None
     if stream.is_claimed or job.gba is not None:
@@ -95,19 +95,22 @@ def sparse_pipeline(job: RecJob, engine: RecEngine, stream: TrainStream) -> Any:
         why = "interleave.micro_batches > 1 splits each batch"
     elif block.cache is not None:
         why = "a cache serves the tables"
+    data_parallel = block.pipeline == "all"
     if why is None:
         from picasso_ops.distributed.pipeline import SparseDistPipeline, pipelined_tables
 
-        if not pipelined_tables(engine.module):
-            why = "the model has no packed data-parallel or row-wise tables"
+        if not pipelined_tables(engine.module, data_parallel):
+            why = "the model has no packed " + ("data-parallel or row-wise" if data_parallel else "row-wise") + " tables"
     if why is not None:
-        if job.rank == 0:
-            logger.info("picasso.pipeline is on but does not apply here (%s): the steps run unpipelined", why)
+        if job.rank == 0:  # the default ("row_wise") on a model without row-wise tables: not worth a line
+            log = logger.info if data_parallel else logger.debug
+            log("picasso.pipeline %r does not apply here (%s): the steps run unpipelined", block.pipeline, why)
         return None
     if job.rank == 0:
-        logger.info("picasso pipeline: the next batch's ids are read and exchanged on a thread while one trains")
+        logger.info("picasso pipeline (%s): the next batch's ids are read and exchanged on a thread while one trains",
+                    block.pipeline)
     return SparseDistPipeline(engine.module, peek=stream.peek, to_batch=lambda b: (b.values, b.lengths),  # type: ignore[attr-defined]
-                              timeout_s=PIPELINE_TIMEOUT_S)
+                              timeout_s=PIPELINE_TIMEOUT_S, data_parallel=data_parallel)
 
 
 def train_loop(job: RecJob, engine: RecEngine, stream: TrainStream, progress: Progress, faults: FaultInjector,

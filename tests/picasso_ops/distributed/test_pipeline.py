@@ -148,3 +148,7 @@ def test_a_model_without_packed_tables_is_refused_and_tables_are_found_in_a_mixe
         SparseDistPipeline(nn.Linear(2, 2), lambda: None, lambda b: b)
     parts = [type(t.tables).__name__ for t in pipelined_tables(_Fields(PLACEMENTS["mixed"]))]
     assert parts == ["DataParallelEmbeddingCollection", "RowShardedEmbeddingCollection"]
+    only = [type(t.tables).__name__ for t in pipelined_tables(_Fields(PLACEMENTS["mixed"]), data_parallel=False)]
+    assert only == ["RowShardedEmbeddingCollection"]
+    with pytest.raises(ValueError, match="no row-sharded packed tables"):
+        SparseDistPipeline(_Fields(PLACEMENTS["data_parallel"]), lambda: None, lambda b: b, data_parallel=False)

@@ -52,11 +52,13 @@ def test_a_batch_read_ahead_is_the_first_one_dropped_at_another_ranks_epoch_end(
     assert next(it) == "d"
 
 
-def test_the_switch_is_a_picasso_field_off_by_default():
-    assert PicassoConfig().pipeline is False and PicassoConfig(pipeline=True).pipeline is True
+def test_the_switch_is_a_picasso_field_on_for_row_wise_tables_by_default():
+    assert PicassoConfig().pipeline == "row_wise" and PicassoConfig(pipeline="off").pipeline == "off"
+    with pytest.raises(ValueError, match="pipeline"):
+        PicassoConfig(pipeline="yes")
 
 
-def _rec(tmp_path, name: str, steps: int, pipeline: bool, *extra: str) -> list[dict]:
+def _rec(tmp_path, name: str, steps: int, pipeline: str, *extra: str) -> list[dict]:
     from tests.e2e.test_train_rec_picasso import BLOCK, SMALL, _config, _run
 
     block = {**BLOCK, "sharding": "auto", "table_sharding": {"0": "row_wise", "5": "row_wise"}, "pipeline": pipeline}
@@ -76,8 +78,8 @@ def _same(want: list[dict], got: list[dict]) -> None:
 
 @pytest.mark.soak
 def test_the_rec_job_with_the_pipeline_equals_it_without_and_resumes_exactly(tmp_path):
-    off = _rec(tmp_path, "off", 4, False)
-    on = _rec(tmp_path, "on", 4, True)
-    _same(off, on)  # trained, evaluated (every 2 steps and at the end) and saved through the pipeline
-    _rec(tmp_path, "half", 2, True)
-    _same(off, _rec(tmp_path, "half", 4, True, "--resume"))
+    off = _rec(tmp_path, "off", 4, "off")
+    _same(off, _rec(tmp_path, "on", 4, "row_wise"))  # trained, evaluated (every 2 steps, at the end) and saved
+    _same(off, _rec(tmp_path, "all", 4, "all"))  # the data-parallel tables' unions too
+    _rec(tmp_path, "half", 2, "row_wise")
+    _same(off, _rec(tmp_path, "half", 4, "row_wise", "--resume"))
