@@ -75,6 +75,9 @@ def load_cpu_ops(*, verbose: bool = False, clear_stale: bool = True) -> Optional
     :class:`~sparse_core.jit_build.StaleLockError` (``clear_stale=False``) is raised, not swallowed: the
     user must delete the lock it names.
     """
+    module = _state["module"]
+    if module is not None:  # the hot path: the layer asks on every call
+        return module
     return jit_build.load(LIBRARY, verbose=verbose, clear_stale=clear_stale)
 
 

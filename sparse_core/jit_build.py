@@ -327,7 +327,10 @@ def registered() -> tuple[OpLibrary, ...]:
 
 def load_state(library: OpLibrary) -> dict:
     """The per-process state of ``library``'s load: ``{"module": what load returned or None, "failed": reason or None}``."""
-    return _STATES.setdefault(library.name, {"module": None, "failed": None})
+    state = _STATES.get(library.name)
+    if state is None:
+        state = _STATES.setdefault(library.name, {"module": None, "failed": None})
+    return state
 
 
 def build(library: OpLibrary, *, settings: Optional[BuildSettings] = None, verbose: bool = False,

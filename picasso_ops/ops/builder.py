@@ -184,12 +184,14 @@ def load_ops(
         True
         >>> torch.ops.picasso.packed_lookup  # doctest: +SKIP
     """
+    if _state["module"] is not None:  # the hot path: every op call asks
+        return True
     return jit_build.load(LIBRARY, verbose=verbose, clear_stale=clear_stale, stale_after_s=stale_after_s) is not None
 
 
 def ops_available() -> bool:
     """Whether ``torch.ops.picasso`` CPU kernels are loaded (does not trigger a build)."""
-    return jit_build.loaded(LIBRARY)
+    return _state["module"] is not None
 
 
 def reset() -> None:
