@@ -7,7 +7,7 @@ the same batches too (data parallelism over two distinct batches, each twice). E
 model (seed 0, each global expert perturbed).
 
 * ``enable_expert_tensor_parallelism=False``: full experts; each tensor-parallel rank sends half of the rows and
-  the halves are all-gathered after (as DeepSpeed's MOELayer): losses equal the reference's.
+  the halves are all-gathered after (as DeepSpeed's MOELayer): losses equal the reference's, under ZeRO 0 and 2.
 * ``enable_expert_tensor_parallelism=True``: a tensor-parallel expert module (column-parallel first projection,
   row-parallel second, an all-reduce over the tensor-parallel group, as Megatron's ParallelMLP), holding half of
   the reference experts' hidden units; expert-parallel groups of equal tensor-parallel rank: losses equal the
@@ -149,14 +149,17 @@ def batch(step, rank):
     return torch.randn(B, H, generator=g), torch.randn(B, generator=g)
 
 
-def train(model, rank, mpu=None):
+def train(model, rank, mpu=None, stage=0):
     import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     # SGD, not Adam: Adam's step hardly depends on the gradients' scale, and an expert gradient summed over
-    # duplicate rows (each token computed tp times) must show.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    # duplicate rows (each token computed tp times) must show. ZeRO 1/2 need the expert parameters in groups.
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
+    optimizer = torch.optim.SGD(groups, lr=0.5)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=mpu, config={
-        "train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6, "zero_optimization": {"stage": 0}})
+        "train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True})
     return engine
 
 
@@ -190,6 +193,11 @@ def reference_and_tp(rank, world_size):
     out["tp_layer"] = (layer.tp_size, layer.tp_rank, layer.expert_tensor_parallel,
                        groups._get_expert_model_parallel_world_size())
     out["tp"] = run_steps(engine, rank)
+    # The same under ZeRO 2 (expert and dense gradients partitioned over their data-parallel groups).
+    model = Net(ffn(), 2)
+    model.moe.set_deepspeed_parallelism()  # groups.mpu is set by now: the full init sliced before ZeRO copies it
+    load_full_state_dict(model, state)
+    out["tp_zero2"] = run_steps(train(model, rank, mpu=MPU(TP), stage=2), rank)
     return out
 
 
@@ -224,6 +232,7 @@ def test_a_tensor_parallel_mpu_sends_each_row_once_and_trains_as_without_it(refe
     for rank, r in enumerate(reference_results):
         assert r["tp_layer"] == (TP, rank % TP, False, 1)
         assert r["tp"] == pytest.approx(r["reference"], rel=1e-5), rank
+        assert r["tp_zero2"] == pytest.approx(r["reference"], rel=1e-5), rank
         assert len(set(r["reference"])) == STEPS
 
 
