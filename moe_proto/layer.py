@@ -436,6 +436,11 @@ class MoE(MoEBase, _DeepSpeedMoE):
     capacity in the all-to-all so message sizes are static; the default sends only kept
     rows after exchanging per-expert counts.
 
+    Under a tensor-parallel ``mpu`` (``deepspeed.initialize(..., mpu=...)``) each tensor-parallel
+    rank sends only its share of the rows; ``enable_expert_tensor_parallelism=True`` runs
+    tensor-parallel expert modules over the rows of the whole tensor-parallel group, as
+    DeepSpeed's MOELayer (:mod:`moe_proto.tensor_parallel`).
+
     Differences from DeepSpeed, on purpose: eval routing is deterministic (RTS and
     second-expert sampling act in training only), the logits are never modified in
     place, and the default drop order (``drop_policy="probs"``) keeps the highest-gate
