@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sparse_scale", "picasso_ops", "moe_proto", "gba_engine")
+PACKAGES = ("sparse_core", "sparse_scale", "picasso_ops", "moe_proto", "gba_engine")
 NATIVE_DIRS = (ROOT / "picasso_ops" / "ops" / "csrc", ROOT / "moe_proto" / "csrc")
 
 CHECK_OPS = """
