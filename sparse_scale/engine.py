@@ -118,6 +118,12 @@ class SparseEngine:
         if self.gba:
             return self.inner.save_checkpoint(save_dir, tag=tag, client_state=client_state)
         if not self._moe:
+            from picasso_ops.distributed.shard_checkpoint import save_row_shards
+
+            tag = tag or f"global_step{self.inner.global_steps}"  # DeepSpeed's default tag, needed here first
+            # DeepSpeed keeps rank 0's module state only: every rank writes its row-wise shards first, and
+            # DeepSpeed's save ends with a barrier, so they are on disk before "latest" names the tag
+            save_row_shards(self.module, Path(save_dir) / tag, _rank())
             return self.inner.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                               **kwargs)
         _refuse_options("save_checkpoint", kwargs)
@@ -143,7 +149,7 @@ class SparseEngine:
             _refuse_options("load_checkpoint", kwargs)
             return self.inner.load_checkpoint(load_dir, tag=tag)
         if not self._moe:
-            return self.inner.load_checkpoint(load_dir, tag=tag, **kwargs)
+            return self._load_with_row_shards(load_dir, tag, kwargs)
         _refuse_options("load_checkpoint", kwargs)
         from moe_proto.checkpoint import load_checkpoint as load_moe
 
@@ -166,6 +172,25 @@ class SparseEngine:
                              f"(unexpected {unexpected}, missing {sorted(set(missing) - params)})")
         return str(Path(load_dir) / tag), saved["client_state"]
 
+    def _load_with_row_shards(self, load_dir: str, tag: str | None, kwargs: dict[str, Any]) -> tuple[str | None, dict]:
+        """DeepSpeed's load, then every rank's row-wise shards from the shard files (at this or another world size).
+
+        Rank 0's shards in DeepSpeed's module state are skipped (another rank's shard may have another number
+        of rows); everything else of the module loads strictly, as DeepSpeed's own load does.
+        """
+        from picasso_ops.distributed.shard_checkpoint import load_row_shards, row_shard_keys
+
+        skip = row_shard_keys(self.module)
+        if not skip:
+            return self.inner.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if "custom_load_fn" in kwargs:
+            raise TypeError("load_checkpoint(custom_load_fn=...): not supported for models with row-wise tables "
+                            "(their shards are loaded from each rank's shard file)")
+        path, client = self.inner.load_checkpoint(load_dir, tag=tag, custom_load_fn=_loader_skipping(skip), **kwargs)
+        if path is not None:  # DeepSpeed names its model-states file
+            load_row_shards(self.module, Path(path) if Path(path).is_dir() else Path(path).parent)
+        return path, client
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -175,3 +200,16 @@ def _refuse_options(what: str, kwargs: dict[str, Any]) -> None:
     if kwargs:
         raise TypeError(f"{what}({', '.join(f'{k}=' for k in sorted(kwargs))}): not supported for models with "
                         "moe_proto MoE layers or under a gba block (their checkpoints save and load everything)")
+
+
+def _loader_skipping(skip: set[str]) -> Any:
+    """DeepSpeed's ``custom_load_fn``: a strict module load of every key but ``skip`` (loaded from shard files)."""
+
+    def load(src: dict[str, Any], dst: torch.nn.Module) -> None:
+        missing, unexpected = dst.load_state_dict({k: v for k, v in src.items() if k not in skip}, strict=False)
+        missing = [k for k in missing if k not in skip]
+        if missing or unexpected:
+            raise ValueError(f"load_checkpoint: the checkpoint's module state does not fit the model (missing "
+                             f"{missing[:8]}, unexpected {unexpected[:8]})")
+
+    return load

@@ -163,57 +163,19 @@ class DeepSpeedRecEngine:
         return _all_reduce_totals(samples, seconds, None)
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
-        """DeepSpeed's checkpoint plus every rank's row-wise shards (DeepSpeed keeps rank 0's module state only).
-
-        The shard files are written first: DeepSpeed's save ends with a barrier, so they are all on disk
-        before the checkpoint is committed.
-        """
-        from picasso_ops.distributed.shard_checkpoint import save_row_shards
-
-        save_row_shards(self.module, Path(save_dir) / tag, _rank())
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)  # row-wise shards included
 
     def load_checkpoint(self, load_dir: str) -> tuple[str | None, dict[str, Any]]:
-        """DeepSpeed's load, then each rank's row-wise shards from the shard files (at this or another world size).
-
-        Rank 0's shards in DeepSpeed's module state are skipped (another rank's shard may have another
-        number of rows); everything else of the module loads strictly, as DeepSpeed's own load would.
-        """
-        from moe_proto.param_groups import has_moe_layers
-        from picasso_ops.distributed.shard_checkpoint import load_row_shards, row_shard_keys
-
-        skip = row_shard_keys(self.module)
-        if not skip or has_moe_layers(self.module):  # MoE checkpoints keep each rank's module state already
-            path, client = self.engine.load_checkpoint(load_dir)
-        else:
-            path, client = self.engine.load_checkpoint(load_dir, custom_load_fn=_loader_skipping(skip))
-        if path is not None and skip:  # DeepSpeed names its model-states file, the MoE path the folder
-            folder = Path(path) if Path(path).is_dir() else Path(path).parent
-            load_row_shards(self.module, folder)
-        return path, client
+        try:
+            return self.engine.load_checkpoint(load_dir)  # row-wise shards from every rank's file
+        except ValueError as err:  # the module state does not fit the model
+            raise RecJobError(f"--resume: {err}") from err
 
     def block_summary(self) -> None:
         return None
 
     def close(self) -> None:
         return None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _loader_skipping(skip: set[str]) -> Any:
-    """DeepSpeed's ``custom_load_fn``: a strict module load of every key but ``skip`` (loaded from shard files)."""
-
-    def load(src: dict[str, Any], dst: torch.nn.Module) -> None:
-        missing, unexpected = dst.load_state_dict({k: v for k, v in src.items() if k not in skip}, strict=False)
-        missing = [k for k in missing if k not in skip]
-        if missing or unexpected:
-            raise RecJobError(f"--resume: the checkpoint's module state does not fit the model (missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]})")
-
-    return load
 
 
 class GBARecEngine:

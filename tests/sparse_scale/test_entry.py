@@ -97,6 +97,46 @@ def test_own_dlrm_tables_stay_in_sync_across_ranks():
         assert sum(r["losses"][-5:]) < sum(r["losses"][:5])  # it learned
 
 
+
+def _row_wise_resume(rank, world, config, folder):
+    """Train, save, train on; a fresh engine (other seed) loads the save and must train on identically."""
+    def build(seed):
+        torch.manual_seed(seed)
+        tables = sparse_scale.tables_from_block(config, [VOCAB + 3 * f for f in range(FIELDS)])  # uneven shards
+        return sparse_scale.initialize(model=OwnDLRM(tables), config=config)[0]
+
+    engine = build(0)
+    _train_dlrm(engine, rank, 4)
+    engine.save_checkpoint(folder)
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    straight = [_train_dlrm_from(engine, rank, step) for step in range(4, 7)]
+    fresh = build(1)
+    path, _ = fresh.load_checkpoint(folder)
+    loaded = {k: v.clone() for k, v in fresh.module.state_dict().items()}
+    resumed = [_train_dlrm_from(fresh, rank, step) for step in range(4, 7)]
+    return {"path": path, "files": sorted(os.listdir(os.path.dirname(path))),
+            "differ": sorted(k for k in saved if not torch.equal(saved[k], loaded[k])),
+            "straight": straight, "resumed": resumed}
+
+
+def _train_dlrm_from(engine, rank, step):
+    dense, values, lengths, labels = batch(step, rank)
+    logits, aux = engine(dense, values, lengths)
+    loss = F.binary_cross_entropy_with_logits(logits, labels) + aux
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def test_own_script_checkpoints_keep_every_ranks_row_wise_shards(tmp_path):
+    """DeepSpeed writes rank 0's module state only; the engine saves each rank's shards beside it."""
+    config = ds_config(picasso={**PICASSO, "sharding": "row_wise"})
+    results = run_distributed(_row_wise_resume, world_size=2, args=(config, str(tmp_path)), timeout_s=60)
+    for rank, r in enumerate(results):
+        assert {"row_shards_rank0.pt", "row_shards_rank1.pt"} <= set(r["files"]), r["files"]
+        assert r["differ"] == [], f"rank {rank}: loaded state differs from the saved one"
+        assert r["resumed"] == r["straight"], f"rank {rank}: the resumed run diverges from the straight one"
+
 def _plain_collection(rank, world):
     from picasso_ops.embedding.packed import PackedEmbeddingCollection
     from picasso_ops.embedding.spec import TableSpec
