@@ -465,7 +465,7 @@ THREE_SHAPES_SECTION = "## Three shapes against torchrec, variants alternated (i
 WAITS_SECTION = "## The other waits of the rec job's step: dense all-reduce and data stream (issue 29 item 3)"
 # "F x rows : steps : held-out samples" (held-out: a multiple of 2 x 256; DLRM's interactions grow as F^2)
 RIVAL_SHAPES = ("26x100000:300:16384", "200x10000:20:4096", "1000x1000:5:1024")  # ~40 min on 2 shared cores
-WAIT_SHAPES = ("26x100000:400:32768",)
+WAIT_SHAPES = ("26x100000:300:8192",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,26 +482,28 @@ RIVAL_VARIANTS = (
     Variant("torchrec table_wise", torchrec="table_wise"),
     Variant("torchrec column_wise", torchrec="column_wise"),
     Variant("torchrec row_wise", torchrec="row_wise"),
-    Variant("ours auto", picasso={"sharding": "auto"}),  # the planner's choice
-    Variant("ours auto, pipelined", picasso={"sharding": "auto", "pipeline": True}),  # + the sparse-dist pipeline
+    Variant("ours auto", picasso={"sharding": "auto"}),  # the planner's choice (picasso.pipeline's default)
+    Variant("ours auto, pipeline all", picasso={"sharding": "auto", "pipeline": "all"}),  # data-parallel tables too
 )
 OPTIONAL_VARIANTS = (  # by name through --only
     Variant("ours data_parallel", picasso={"sharding": "data_parallel"}),  # = "ours auto" where the plan is all dp
     Variant("ours row_wise", picasso={"sharding": "row_wise"}),
-    Variant("ours row_wise, pipelined", picasso={"sharding": "row_wise", "pipeline": True}),
+    Variant("ours row_wise, pipeline off", picasso={"sharding": "row_wise", "pipeline": "off"}),
 )
 WAIT_VARIANTS = (
     Variant("ZeRO 0", deepspeed={"zero_optimization": {"stage": 0}}),  # the rivals' setting
     Variant("ZeRO 1", deepspeed={"zero_optimization": {"stage": 1}}),  # ds_configs/rec_*_cpu.json
     Variant("ZeRO 1, overlap_comm, 20k buckets", deepspeed={"zero_optimization": {
         "stage": 1, "overlap_comm": True, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000}}),
-    Variant("ZeRO 2, no overlap, 20k buckets", deepspeed={"zero_optimization": {
-        "stage": 2, "overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 20_000,
-        "allgather_bucket_size": 20_000}}),
     Variant("ZeRO 2, overlap_comm, contiguous, 20k buckets", deepspeed={"zero_optimization": {
         "stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 20_000,
         "allgather_bucket_size": 20_000}}),
     Variant("ZeRO 0, prefetch 2", picasso={"interleave": {"prefetch_batches": 2}}),
+)
+OPTIONAL_WAIT_VARIANTS = (  # by name through --only
+    Variant("ZeRO 2, no overlap, 20k buckets", deepspeed={"zero_optimization": {
+        "stage": 2, "overlap_comm": False, "contiguous_gradients": False, "reduce_bucket_size": 20_000,
+        "allgather_bucket_size": 20_000}}),
 )
 
 
@@ -1167,7 +1169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    known = {v.name: v for v in (*RIVAL_VARIANTS, *OPTIONAL_VARIANTS, *WAIT_VARIANTS)}
+    known = {v.name: v for v in (*RIVAL_VARIANTS, *OPTIONAL_VARIANTS, *WAIT_VARIANTS, *OPTIONAL_WAIT_VARIANTS)}
     if args.profile_variant not in known or known[args.profile_variant].torchrec:
         p.error(f"--profile-variant {args.profile_variant!r}: one of ours: "
                 f"{', '.join(n for n, v in known.items() if not v.torchrec)}")
@@ -1202,8 +1204,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rivals_run = name == "rivals"
                 specs = args.shapes or (["26x100:30:4096"] if args.quick else RIVAL_SHAPES if rivals_run else WAIT_SHAPES)
                 shapes = [parse_shape(spec, shape) for spec in specs]
-                pool = RIVAL_VARIANTS + OPTIONAL_VARIANTS if rivals_run else WAIT_VARIANTS
-                chosen = [v for v in pool if (v.name in args.only if args.only else v not in OPTIONAL_VARIANTS)
+                optional = OPTIONAL_VARIANTS if rivals_run else OPTIONAL_WAIT_VARIANTS
+                pool = (RIVAL_VARIANTS if rivals_run else WAIT_VARIANTS) + optional
+                chosen = [v for v in pool if (v.name in args.only if args.only else v not in optional)
                           and (v.torchrec is None or v.torchrec in args.shardings)]
                 out[name] = matrix(shapes, chosen, reps or 3, Path(tmp))
             elif name == "stragglers":
