@@ -16,57 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparse_scale.multiproc import run_distributed
+import system  # benchmarks/system.py, beside this script: the rivals' config, flags and rank runner
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def config(fields: int, dim: int, sharding: str, pipeline: str) -> dict[str, Any]:
-    """``benchmarks/system.py``'s ``ds_config(shape, picasso=True)`` plus ``sharding`` and ``pipeline``."""
-    return {
-        "train_micro_batch_size_per_gpu": 256, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0.0, "torch_adam": True}},
-        "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0, "steps_per_print": 1_000_000,
-        "wandb": {"enabled": False},
-        "picasso": {"packing": True, "embedding_dim": dim, "sharding": sharding, "pipeline": pipeline,
-                    "optimizer": {"type": "rowwise_adagrad", "lr": 0.05, "lr_schedule": "constant"}},
-    }
-
-
-def argv_of(cfg: Path, out: Path, fields: int, vocab: int, dim: int, steps: int, eval_samples: int) -> list[str]:
-    """``benchmarks/system.py``'s ``train_rec_argv`` for the rivals (seed 1234, ``--threads 1``)."""
-    return ["--config", str(cfg), "--out", str(out), "--model", "dlrm", "--fields", str(fields), "--vocab", str(vocab),
-            "--embedding-dim", str(dim), "--steps", str(steps), "--eval-samples", str(eval_samples),
-            "--seed", "1234", "--threads", "1"]
-
-
-def rank_run(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
-    """The rec job on this rank; its summary and the pipeline's log line (rank 0)."""
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    logging.getLogger("sparse_scale.rec.notice").setLevel(logging.WARNING)
-    capture = _Capture()
-    loop_log = logging.getLogger("sparse_scale.rec.loop")
-    loop_log.setLevel(logging.INFO)
-    loop_log.addHandler(capture)
-    from sparse_scale.rec import cli
-
-    summary = dict(cli.train(cli.parse_args(argv)))
-    return {"samples_per_s": summary["samples_per_s"], "auc": summary["auc"],
-            "pipeline_log": [m for m in capture.messages if "pipeline" in m]}
+def config(shape: system.Shape, sharding: str, pipeline: str) -> dict[str, Any]:
+    """``system.py``'s "ours packed" config plus ``sharding`` and ``pipeline``."""
+    cfg = system.ds_config(shape, picasso=True)
+    cfg["picasso"] |= {"sharding": sharding, "pipeline": pipeline}
+    return cfg
 
 
 def main() -> None:
@@ -79,20 +41,19 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--shardings", nargs="+", default=["data_parallel"], choices=["data_parallel", "row_wise"])
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    shape = system.Shape(fields=args.fields, vocab=args.vocab, dim=args.dim, steps=args.steps,
+                         eval_samples=args.eval_samples)
     rows: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for rep in range(args.reps):
         for sharding in args.shardings:
             for pipeline in ((False, True) if rep % 2 == 0 else (True, False)):  # alternate the order too
+                mode = ("all" if sharding == "data_parallel" else "row_wise") if pipeline else "off"
                 with tempfile.TemporaryDirectory() as tmp:
-                    cfg = Path(tmp) / "cfg.json"
-                    mode = ("all" if sharding == "data_parallel" else "row_wise") if pipeline else "off"
-                    cfg.write_text(json.dumps(config(args.fields, args.dim, sharding, mode)))
-                    argv = argv_of(cfg, Path(tmp) / "out", args.fields, args.vocab, args.dim, args.steps,
-                                   args.eval_samples)
-                    r = run_distributed(rank_run, 2, args=(argv,), timeout_s=1800, init_process_group=False)[0]
+                    r = system.run_train_rec(Path(tmp), f"{sharding} {mode}", config(shape, sharding, mode), shape,
+                                             shape.steps, straggler=False)
+                r = {"samples_per_s": r["samples_per_s"], "auc": r["auc"]}
                 rows.setdefault((sharding, pipeline), []).append(r)
-                print(json.dumps({"rep": rep, "sharding": sharding, "pipeline": pipeline, **r}), flush=True)
+                print(json.dumps({"rep": rep, "sharding": sharding, "pipeline": mode, **r}), flush=True)
     print("\n| sharding | pipeline | runs | samples/s median | range | AUC median |")
     print("|---|---|---|---|---|---|")
     for (sharding, pipeline), runs in rows.items():

@@ -298,6 +298,12 @@ class _TorchFormula(SparseOptimizer):
     def __init__(self, **hyperparams: float) -> None:  # noqa: D107 - the subclasses check their own
         self.hyperparams = dict(hyperparams)
 
+    def _l2_grad(self, grad: Tensor, rows_value: Tensor) -> Tensor:
+        """torch's gradient of these rows: negated with ``maximize``, plus ``weight_decay`` x value (L2)."""
+        h = self.hyperparams
+        g = -grad if h["maximize"] else grad
+        return g.add(rows_value, alpha=h["weight_decay"]) if h["weight_decay"] else g
+
 
 class TorchRowSGD(_TorchFormula):
     """torch.optim.SGD on the touched rows: per-row momentum buffers, started like torch's on a row's first update.
@@ -334,9 +340,7 @@ class TorchRowSGD(_TorchFormula):
     def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
         h, rows = self.hyperparams, upd.rows
         p = weight[rows]
-        d_p = -upd.grad if h["maximize"] else upd.grad
-        if h["weight_decay"]:
-            d_p = d_p.add(p, alpha=h["weight_decay"])
+        d_p = self._l2_grad(upd.grad, p)
         if h["momentum"]:
             old = state["momentum_buffer"][rows]
             started = state["started"][rows].unsqueeze(1)
@@ -436,9 +440,7 @@ class TorchRowAdagrad(_TorchFormula):
     def update(self, weight: Tensor, state: Mapping[str, Tensor], upd: RowUpdate) -> None:
         h, rows = self.hyperparams, upd.rows
         p = weight[rows]
-        g = -upd.grad if h["maximize"] else upd.grad
-        if h["weight_decay"]:
-            g = g.add(p, alpha=h["weight_decay"])
+        g = self._l2_grad(upd.grad, p)
         clr = self.lr / (1 + (int(upd.step) - 1) * h["lr_decay"])
         s = state["sum"][rows].addcmul(g, g, value=1)
         state["sum"][rows] = s

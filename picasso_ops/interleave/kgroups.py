@@ -187,13 +187,8 @@ class KInterleavedRowShardedCollection(RowShardedEmbeddingCollection):
     def forward(self, batch: JaggedBatch) -> KeyedEmbeddings:
         """Pooled embeddings ``[B, sum D]`` (a collective), exchanges of the packs interleaved."""
         tl, group, W, B = self.timeline, self.process_group, self.world_size, batch.batch_size
-        subs, plans, inverses = [], [], []
-        for layout in self._layouts:
-            sub = batch.select(layout.features)
-            plan, inverse = self._plan(layout, sub)
-            subs.append(sub)
-            plans.append(plan)
-            inverses.append(inverse)
+        planned = self.plan_ids(batch)  # every pack's dedup per owner, as the parent plans it
+        subs, plans, inverses = planned.subs, planned.plans, planned.inverses
         device = batch.values.device
         send = torch.tensor([p.send_counts for p in plans], dtype=torch.int64, device=device).view(-1, W)
         if W > 1:

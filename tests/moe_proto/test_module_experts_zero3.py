@@ -20,22 +20,10 @@ from moe_proto import moe_class
 from moe_proto.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from moe_proto.module_experts import ModuleExperts
 from sparse_scale.multiproc import run_distributed
+from tests.moe_proto.test_any_expert import GatedBlock  # LayerNorm -> SwiGLU, D=8: the per-expert path
 
 D, E, B, STEPS = 8, 4, 12, 3
 WORLD = 2
-
-
-class GatedBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.gate_proj = nn.Linear(D, 16)
-        self.up_proj = nn.Linear(D, 16)
-        self.down_proj = nn.Linear(16, D)
-
-    def forward(self, x):
-        x = self.norm(x)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Net(nn.Module):
