@@ -284,10 +284,13 @@ def test_a_collective_the_server_never_joins_fails_within_timeout_s_naming_the_m
     first_entered = min(w["entered"] for w in (w0, w1))
     assert server["raised"] - first_entered < TIMEOUT_S, "the server did not stop within gba.timeout_s"
     # each worker: its collective ends when the server's process exits (gloo: connection closed) or at the latest
-    # when the default group's timeout (gba.timeout_s during the job) ends; an error line said why before
+    # when the default group's timeout (gba.timeout_s during the job) ends
     for w in (w0, w1):
         assert w["error"] == "RuntimeError", w
         assert "Connection closed by peer" in w["message"] or "Timed out" in w["message"], w["message"]
         assert w["raised"] - w["entered"] < TIMEOUT_S + 2, w["raised"] - w["entered"]
-        assert any("waits in torch.distributed.all_reduce" in m and "model.table (WorldSyncTable).sparse_step" in m
-                   for m in w["logged"]), w["logged"]
+    # the worker the server names said why on its own rank first; the other may have entered the collective so late
+    # that the server's exit ended it before its watch took two samples, so it need not log
+    stuck = (w0, w1)[server["worker"]]
+    assert any("waits in torch.distributed.all_reduce" in m and "model.table (WorldSyncTable).sparse_step" in m
+               for m in stuck["logged"]), stuck["logged"]
