@@ -11,7 +11,15 @@ This module writes its own topology-free checkpoint instead, one directory per t
     <save_dir>/<tag>/moe_proto/experts_<a>-<b>.pt  per EP rank (expert-data-parallel rank 0): the
                                                    rows [a, b) of every stacked expert tensor + moments
                                                    (per-expert modules: expert g's tensors are row g of
-                                                   ``<layer>.experts.deepspeed_experts.*.<key>``)
+                                                   ``<layer>.experts.deepspeed_experts.*.<key>``), and
+                                                   the rows of the per-expert buffers (e.g. a BatchNorm's
+                                                   running stats inside an expert module)
+
+A model whose MoE layers differ in ``(num_experts, ep_size)`` (a PR-MoE pyramid) writes one file
+per writer rank per distinct shape instead, ``experts_e<E>-ep<ep>_<a>-<b>.pt``: each holds the rows
+[a, b) of the layers with ``num_experts == E`` saved at ``ep_size == ep``, written by those layers'
+own expert-data-parallel rank 0. Loading reads each layer's rows from the files of its saved shape,
+at any ep_size per layer; checkpoints with the single-range names load as before.
 
 Every tensor is the full fp32 value (under ZeRO 1/2 assembled from each rank's flat
 partition through the parameter's ``_hp_mapping`` addresses by
@@ -38,7 +46,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +68,8 @@ OPTIM_KEYS: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 SCHEDULED_KEYS: Tuple[str, ...] = ("lr", "betas", "momentum")
 _SUBDIR = "moe_proto"
 _EXPERT_FILE = re.compile(r"experts_(\d+)-(\d+)\.pt$")
+_SHAPED_EXPERT_FILE = re.compile(r"experts_e(\d+)-ep(\d+)_(\d+)-(\d+)\.pt$")
+Shape = Tuple[int, int]  # (num_experts, ep_size) of an MoE layer
 
 
 def expert_params(model: nn.Module) -> Dict[str, MoEBase]:
@@ -75,10 +85,30 @@ def expert_params(model: nn.Module) -> Dict[str, MoEBase]:
     owners: Dict[str, MoEBase] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, MoEBase):
-            if not isinstance(module.experts, GroupedExperts):
-                _check_no_expert_buffers(module, prefix)
             for name, _ in module.experts.named_parameters():
                 owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
+    return owners
+
+
+def expert_buffers(model: nn.Module) -> Dict[str, MoEBase]:
+    """Map every persistent buffer of an MoE layer's experts (as in ``model.state_dict()``) to its layer.
+
+    These differ per expert (e.g. the running stats of a ``BatchNorm`` inside a per-expert module:
+    local expert ``i``'s ``<key>`` is row ``i`` of ``<layer>.experts.deepspeed_experts.*.<key>``, as
+    for parameters), so checkpoints save them per global expert, not from rank 0. Non-persistent
+    buffers are not state and are left out, as ``state_dict`` does.
+
+    Example::
+
+        expert_buffers(model)   # {"moe.experts.deepspeed_experts.0.1.running_mean": <MoE>, ...}
+    """
+    owners: Dict[str, MoEBase] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoEBase):
+            params = {name for name, _ in module.experts.named_parameters()}
+            for name in module.experts.state_dict():
+                if name not in params:
+                    owners[f"{prefix}.experts.{name}" if prefix else f"experts.{name}"] = module
     return owners
 
 
@@ -110,21 +140,13 @@ def global_expert_name(stack_name: str, global_id: int) -> str:
     return stack_name.replace("deepspeed_experts.*.", f"deepspeed_experts.{global_id}.", 1)
 
 
-def _check_no_expert_buffers(layer: MoEBase, prefix: str) -> None:
-    params = {name for name, _ in layer.experts.named_parameters()}
-    buffers = [key for key in layer.experts.state_dict() if key not in params]
-    if buffers:  # rank 0's buffers are saved for every rank: they would be wrong for other ranks' experts
-        raise ValueError(f"MoE layer {prefix or '(the model)'}: its expert modules hold buffers ({buffers[0]}, ...) "
-                         "that differ per expert; moe_proto's checkpoints save replicated buffers only: save it "
-                         "with DeepSpeed's engine.save_checkpoint (ZeRO 0-2)")
-
-
 def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> None:
     """Copy an ep_size-independent state (expert stacks over all E experts) into ``model``.
 
     Expert tensors are sliced to the rows ``model``'s layers hold (their ``expert_range``),
-    everything else is copied as is. Used to start every ep_size from one full init, and by
-    :func:`load_checkpoint`.
+    everything else is copied as is; per-expert buffers (:func:`expert_buffers`) are taken from
+    their global experts' keys like parameters. Used to start every ep_size from one full init,
+    and by :func:`load_checkpoint`.
 
     Example::
 
@@ -138,67 +160,80 @@ def load_full_state_dict(model: nn.Module, full_state: Dict[str, Tensor]) -> Non
             if is_zero3_param(param):
                 raise ValueError(f"load_full_state_dict: {name} is already partitioned by ZeRO-3; call it before "
                                  "deepspeed.initialize, or use load_checkpoint on the engine")
-            layer = owners.get(name)
-            stack, index = expert_slot(name, layer) if layer is not None else (name, None)
-            key = name if index is None else global_expert_name(stack, layer.expert_range[0] + index)
-            if key not in full_state:
-                hint = (": the state is in DeepSpeed's layout; take it as `with "
-                        "moe_proto.ds_layout.stacked_layout(full): full.state_dict()`"
-                        if index is None and any(".deepspeed_experts." in k for k in full_state) else "")
-                raise KeyError(f"parameter {key} is missing from the full state dict{hint}")
-            param.copy_(full_state[key] if index is not None else _local_rows(full_state[key], layer))
+            param.copy_(_full_value(name, owners.get(name), full_state, "parameter"))
+        buffers = dict(model.named_buffers())
+        for name, layer in expert_buffers(model).items():
+            buffers[name].copy_(_full_value(name, layer, full_state, "buffer"))
+
+
+def _full_value(name: str, layer: Optional[MoEBase], full_state: Dict[str, Tensor], what: str) -> Tensor:
+    """The value of ``name`` (a parameter or per-expert buffer of ``layer``) on this rank, from a full state."""
+    stack, index = expert_slot(name, layer) if layer is not None else (name, None)
+    key = name if index is None else global_expert_name(stack, layer.expert_range[0] + index)
+    if key not in full_state:
+        hint = (": the state is in DeepSpeed's layout; take it as `with "
+                "moe_proto.ds_layout.stacked_layout(full): full.state_dict()`"
+                if index is None and any(".deepspeed_experts." in k for k in full_state) else "")
+        raise KeyError(f"{what} {key} is missing from the full state dict{hint}")
+    return full_state[key] if index is not None else _local_rows(full_state[key], layer)
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
-    """All parameters with expert stacks gathered over each layer's expert-parallel group.
+    """All parameters, and the per-expert buffers, with expert stacks gathered over each layer's EP group.
 
     Collective over the EP groups (and under ZeRO-3 over each parameter's partition group:
-    every rank must call it). Example::
+    every rank must call it). Per-expert modules' tensors are keyed per global expert
+    (``...deepspeed_experts.{g}...``). Example::
 
         state = full_state_dict(engine.module)     # state["moe.experts.w1"].shape[0] == num_experts
     """
     owners = expert_params(model)
     out: Dict[str, Tensor] = {}
     for name, param in model.named_parameters():
-        layer = owners.get(name)
-        value = gathered_value(param)  # a copy
-        parts = [value]
-        if layer is not None and layer.ep_size > 1:
-            parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
-            dist.all_gather(parts, value.contiguous(), group=layer.ep_group)
-        stack, index = expert_slot(name, layer) if layer is not None else (name, None)
-        if index is None:
-            out[name] = torch.cat(parts) if len(parts) > 1 else value
-        else:  # per-expert modules: one key per global expert
-            for ep_rank, part in enumerate(parts):
-                out[global_expert_name(stack, ep_rank * layer.num_local_experts + index)] = part
+        _gather_into(out, name, gathered_value(param), owners.get(name))  # gathered_value: a copy
+    buffers = dict(model.named_buffers())
+    for name, layer in expert_buffers(model).items():  # the same order on every rank
+        _gather_into(out, name, buffers[name].detach().clone(), layer)
     return out
+
+
+def _gather_into(out: Dict[str, Tensor], name: str, value: Tensor, layer: Optional[MoEBase]) -> None:
+    """Put ``value`` (this rank's) into ``out`` with every EP rank's rows (collective over ``layer``'s EP group)."""
+    parts = [value]
+    if layer is not None and layer.ep_size > 1:
+        parts = [torch.empty_like(value) for _ in range(layer.ep_size)]
+        dist.all_gather(parts, value.contiguous(), group=layer.ep_group)
+    stack, index = expert_slot(name, layer) if layer is not None else (name, None)
+    if index is None:
+        out[name] = torch.cat(parts) if len(parts) > 1 else value
+    else:  # per-expert modules: one key per global expert
+        for ep_rank, part in enumerate(parts):
+            out[global_expert_name(stack, ep_rank * layer.num_local_experts + index)] = part
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
     """Write parameters and Adam state, experts split per global expert rows (collective).
 
-    Also re-links ZeRO's optimizer-state views (:func:`relink_zero_optimizer_states`).
-    Returns the checkpoint directory. Example::
+    Every MoE layer's expert rows (parameters, moments, per-expert buffers) are written by its
+    own expert-data-parallel rank 0 for its own ``(num_experts, ep_size)``, so layers of
+    different shapes (a PR-MoE pyramid) save too. Also re-links ZeRO's optimizer-state views
+    (:func:`relink_zero_optimizer_states`). Returns the checkpoint directory. Example::
 
         path = save_checkpoint(engine, "ckpt", "step3")
     """
+    model = engine.module
+    owners, buffer_owners = expert_params(model), expert_buffers(model)
+    # Decided from the model alone, the same on every rank (nothing here can fail on one rank only).
+    shapes = {expert_slot(n, l)[0]: _shape(l) for n, l in {**owners, **buffer_owners}.items()}
+    single = len(set(shapes.values())) <= 1  # one expert range per rank: the single-range file names
     relink_zero_optimizer_states(engine)
     path = os.path.join(save_dir, tag, _SUBDIR)
-    model = engine.module
-    owners = expert_params(model)
-    shapes = sorted({(layer.num_experts, layer.ep_size) for layer in owners.values()})
-    if len(shapes) > 1:  # the same on every rank: all of them raise, before any collective
-        raise ValueError(f"MoE layers of one model have different (num_experts, ep_size) {shapes}: moe_proto's "
-                         "checkpoint writes one expert range per rank; give every layer the same num_experts "
-                         "and ep_size")
     rank = dist.get_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     dense: Dict[str, Dict[str, Tensor]] = {}
-    experts: Dict[str, Dict[str, Tensor]] = {}
-    writer_ranges: Dict[str, Tuple[int, int]] = {}
+    experts: Dict[Shape, Dict[str, Dict[str, Tensor]]] = {}
     # Every rank walks the parameters in the same order: the full-state reads are collectives.
     rows: Dict[str, Dict[int, Dict[str, Tensor]]] = {}
     for name, param in model.named_parameters():
@@ -208,13 +243,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
             dense[name] = entry
             continue
         stack, index = expert_slot(name, layer)
-        writer_ranges[stack] = layer.expert_range
         if index is None:
-            experts[stack] = entry
+            experts.setdefault(shapes[stack], {})[stack] = entry
         else:
             rows.setdefault(stack, {})[index] = entry
     for stack, by_index in rows.items():  # per-expert modules: local expert i is row i, as in a stack
-        experts[stack] = {k: torch.stack([by_index[i][k] for i in range(len(by_index))]) for k in by_index[0]}
+        experts.setdefault(shapes[stack], {})[stack] = {
+            k: torch.stack([by_index[i][k] for i in range(len(by_index))]) for k in by_index[0]}
+    buffer_rows = _expert_buffer_rows(model, buffer_owners, shapes)
     if rank == 0:
         groups = _param_group_states(engine)
         meta = {"step": max((g["step"] for g in groups), default=0.0),
@@ -222,17 +258,20 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
                 "global_samples": int(getattr(engine, "global_samples", 0)),
                 "param_groups": groups,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
-                "experts": {expert_slot(n, l)[0]: {"num_experts": l.num_experts, "ep_size": l.ep_size}
-                            for n, l in owners.items()}}
+                "experts": _shape_meta(owners),
+                "expert_buffers": _shape_meta(buffer_owners)}
         torch.save({"params": dense, "buffers": _persistent_buffers(model), "meta": meta},
                    os.path.join(path, "dense.pt"))
         with open(os.path.join(path, "meta.json"), "w") as f:
             # default=float: a tensor-valued lr stays readable.
             json.dump({k: v for k, v in meta.items() if k != "lr_scheduler"}, f, indent=1, default=float)
-    if experts and _is_expert_writer(owners):
-        first, last = next(iter(writer_ranges.values()))  # one range: the layers' shapes were checked above
-        torch.save({"first": first, "last": last, "params": experts},
-                   os.path.join(path, f"experts_{first:06d}-{last:06d}.pt"))
+    layer_of_shape = {_shape(layer): layer for layer in {**owners, **buffer_owners}.values()}
+    for shape, layer in sorted(layer_of_shape.items()):
+        if _is_expert_writer(layer):
+            first, last = layer.expert_range
+            torch.save({"first": first, "last": last, "num_experts": shape[0], "ep_size": shape[1],
+                        "params": experts.get(shape, {}), "buffers": buffer_rows.get(shape, {})},
+                       os.path.join(path, _expert_file_name(shape, first, last, single)))
     dist.barrier()
     logger.info("saved moe_proto checkpoint to %s", path)
     return path
@@ -242,9 +281,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     """Load a :func:`save_checkpoint` directory into ``engine`` at any ep_size (collective).
 
     Sets parameters (model and ZeRO fp32 master copies), Adam moments and each param
-    group's step, ``engine.global_steps``, the LR scheduler and the param groups' ``lr`` /
-    ``betas`` / ``momentum``, then re-links ZeRO's optimizer-state views. Returns the
-    checkpoint metadata. Example::
+    group's step, the per-expert buffers (each layer's rows, at its own ep_size),
+    ``engine.global_steps``, the LR scheduler and the param groups' ``lr`` / ``betas`` /
+    ``momentum``, then re-links ZeRO's optimizer-state views. Returns the checkpoint metadata.
+    Example::
 
         meta = load_checkpoint(engine, "ckpt", "step3")
     """
@@ -255,20 +295,18 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     saved = torch.load(dense_file, map_location="cpu", weights_only=False)
     meta = saved["meta"]
     model = engine.module
-    owners = expert_params(model)
-    slots = {name: expert_slot(name, layer) for name, layer in owners.items()}
-    needed = {slots[name][0]: layer.expert_range for name, layer in owners.items()}
-    for stack in needed:  # before any rank reads a file or touches its optimizer: the same answer on every rank
-        saved_layer = meta["experts"].get(stack)
-        layer = owners[next(n for n, s in slots.items() if s[0] == stack)]
-        if saved_layer is None or saved_layer["num_experts"] != layer.num_experts:
-            raise ValueError(f"{stack}: checkpoint has {saved_layer} experts, the model has {layer.num_experts}")
-    expert_entries = _read_expert_rows(path, needed)
+    owners, buffer_owners = expert_params(model), expert_buffers(model)
+    # Before any rank reads an expert file or touches its optimizer: from the model, dense.pt and the file
+    # names only, so every rank decides the same and none waits in a collective while another raises.
+    files = expert_files(path)
+    plan = {**_read_plan(owners, meta["experts"], files, "params", path),
+            **_read_plan(buffer_owners, meta.get("expert_buffers", {}), files, "buffers", path)}
+    values = _read_expert_rows(path, plan)
     _materialize_optimizer_state(engine, _saved_group_steps(engine, meta))
     for name, param in model.named_parameters():
         if name in owners:
-            stack, index = slots[name]
-            entry = expert_entries[stack]
+            stack, index = expert_slot(name, owners[name])
+            entry = values[("params", stack)]
             if index is not None:
                 entry = {k: v[index] for k, v in entry.items()}
         else:
@@ -277,6 +315,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
             entry = saved["params"][name]
         _write_param_state(engine, param, entry)
     _load_buffers(model, saved.get("buffers", {}), path)
+    _load_expert_buffers(model, buffer_owners, values, path)
     engine.global_steps = meta["global_steps"]
     engine.global_samples = meta["global_samples"]
     if meta.get("lr_scheduler") is not None and getattr(engine, "lr_scheduler", None) is not None:
@@ -290,17 +329,64 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     return meta
 
 
+def _shape(layer: MoEBase) -> Shape:
+    return int(layer.num_experts), int(layer.ep_size)
+
+
+def _shape_meta(owners: Dict[str, MoEBase]) -> Dict[str, Dict[str, int]]:
+    """Per stack name: the saving layer's ``num_experts`` and ``ep_size`` (which expert files hold its rows)."""
+    return {expert_slot(n, l)[0]: {"num_experts": l.num_experts, "ep_size": l.ep_size} for n, l in owners.items()}
+
+
+def _expert_buffer_rows(model: nn.Module, buffer_owners: Dict[str, MoEBase],
+                        shapes: Dict[str, Shape]) -> Dict[Shape, Dict[str, Tensor]]:
+    """This rank's per-expert buffers as rows of their stacks (local expert i: row i), per layer shape."""
+    buffers = dict(model.named_buffers())
+    stacked: Dict[str, Tensor] = {}
+    rows: Dict[str, Dict[int, Tensor]] = {}
+    for name, layer in buffer_owners.items():
+        stack, index = expert_slot(name, layer)
+        value = buffers[name].detach().cpu().clone()
+        if index is None:
+            stacked[stack] = value
+        else:
+            rows.setdefault(stack, {})[index] = value
+    for stack, by_index in rows.items():
+        stacked[stack] = torch.stack([by_index[i] for i in range(len(by_index))])
+    out: Dict[Shape, Dict[str, Tensor]] = {}
+    for stack, value in stacked.items():
+        out.setdefault(shapes[stack], {})[stack] = value
+    return out
+
+
+def _load_expert_buffers(model: nn.Module, buffer_owners: Dict[str, MoEBase],
+                         values: Dict[Tuple[str, str], Any], path: str) -> None:
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, layer in buffer_owners.items():
+            stack, index = expert_slot(name, layer)
+            value = values[("buffers", stack)]
+            value = value[index] if index is not None else value
+            if tuple(value.shape) != tuple(buffers[name].shape):
+                raise ValueError(f"{name}: checkpoint buffer has shape {tuple(value.shape)}, the model's "
+                                 f"{tuple(buffers[name].shape)} ({path})")
+            buffers[name].copy_(value)
+
+
 def _persistent_buffers(model: nn.Module) -> Dict[str, Tensor]:
-    """The MoE layers' persistent buffers (the expert biases: full [E], the same on every rank; rank 0's saved)."""
+    """The MoE layers' replicated persistent buffers (the expert biases: full [E], the same on every rank; rank 0's
+    saved); per-expert buffers (:func:`expert_buffers`) are not among them."""
     out: Dict[str, Tensor] = {}
+    per_expert = expert_buffers(model)  # saved per global expert with the expert rows
     for prefix, module in model.named_modules():
         if isinstance(module, MoEBase):
             params = {name for name, _ in module.named_parameters()}
             with stacked_layout(module):
                 state = module.state_dict()
             for name, value in state.items():
-                if name not in params:
-                    out[f"{prefix}.{name}" if prefix else name] = value.detach().cpu().clone()
+                full = f"{prefix}.{name}" if prefix else name
+                if name not in params and full not in per_expert:
+                    out[full] = value.detach().cpu().clone()
     return out
 
 
@@ -336,11 +422,11 @@ def _local_rows(value: Tensor, layer: Optional[MoEBase]) -> Tensor:
     return value[first:last]
 
 
-def _is_expert_writer(owners: Dict[str, MoEBase]) -> bool:
+def _is_expert_writer(layer: MoEBase) -> bool:
+    """Whether this rank writes ``layer``'s expert rows: rank 0 of its expert-data-parallel group."""
     from deepspeed.utils import groups
 
-    group_name = next(iter(owners.values())).expert_group_name
-    return groups._get_expert_data_parallel_rank(group_name) == 0
+    return groups._get_expert_data_parallel_rank(layer.expert_group_name) == 0
 
 
 def _inner_optimizer(engine: Any) -> torch.optim.Optimizer:
@@ -454,34 +540,111 @@ def _write_param_state(engine: Any, param: nn.Parameter, entry: Dict[str, Tensor
         state[key].copy_(entry[key].to(state[key].device))
 
 
-def _read_expert_rows(path: str, needed: Dict[str, Tuple[int, int]]) -> Dict[str, Dict[str, Tensor]]:
-    """Assemble, per expert parameter, rows [first, last) of every tensor from the expert files."""
-    files = list(iter_expert_files(path))
-    out: Dict[str, Dict[str, List[Tensor]]] = {name: {} for name in needed}
-    covered: Dict[str, int] = {name: 0 for name in needed}
-    for first, last, fname in files:
-        if not needed:
-            break
-        wanted = {n: r for n, r in needed.items() if first < r[1] and r[0] < last}
-        if not wanted:
+class ExpertFile(NamedTuple):
+    """One expert file of a checkpoint: rows ``[first, last)``; ``shape`` is ``(num_experts, ep_size)`` of the
+    layers it holds, None for the single-range layout (every layer of one shape, ``experts_<a>-<b>.pt``)."""
+    shape: Optional[Shape]
+    first: int
+    last: int
+    name: str
+
+
+def _expert_file_name(shape: Shape, first: int, last: int, single: bool) -> str:
+    if single:
+        return f"experts_{first:06d}-{last:06d}.pt"
+    return f"experts_e{shape[0]}-ep{shape[1]}_{first:06d}-{last:06d}.pt"
+
+
+def expert_files(path: str) -> List[ExpertFile]:
+    """The expert files of a checkpoint directory (``<save_dir>/<tag>/moe_proto``), by shape then first row.
+
+    Example::
+
+        [(f.shape, f.first, f.last) for f in expert_files("ckpt/step3/moe_proto")]
+        # [((4, 2), 0, 2), ((4, 2), 2, 4), ((8, 4), 0, 2), ...]  (a pyramid; (None, a, b) for one shape)
+    """
+    out: List[ExpertFile] = []
+    for f in os.listdir(path):
+        m = _EXPERT_FILE.match(f)
+        if m:
+            out.append(ExpertFile(None, int(m.group(1)), int(m.group(2)), f))
             continue
-        # mmap: only the rows sliced below are read from disk.
-        blob = torch.load(os.path.join(path, fname), map_location="cpu", mmap=True, weights_only=False)
-        for name, (a, b) in wanted.items():
-            lo, hi = max(a, first), min(b, last)
-            for key, tensor in blob["params"][name].items():
-                out[name].setdefault(key, []).append(tensor[lo - first:hi - first].clone())
-            covered[name] += hi - lo
-    for name, (a, b) in needed.items():
-        if covered[name] != b - a:
-            raise FileNotFoundError(f"{name}: expert rows [{a}, {b}) are not all in the expert files of {path} "
-                                    f"(found {[f for _, _, f in files]})")
-    return {name: {k: torch.cat(v) for k, v in parts.items()} for name, parts in out.items()}
+        m = _SHAPED_EXPERT_FILE.match(f)
+        if m:
+            out.append(ExpertFile((int(m.group(1)), int(m.group(2))), int(m.group(3)), int(m.group(4)), f))
+    return sorted(out, key=lambda e: (e.shape or (0, 0), e.first, e.last, e.name))
 
 
 def iter_expert_files(path: str) -> Iterator[Tuple[int, int, str]]:
-    """``(first, last, filename)`` of each expert file of a checkpoint directory, in expert order."""
-    for f in sorted(os.listdir(path)):
-        m = _EXPERT_FILE.match(f)
-        if m:
-            yield int(m.group(1)), int(m.group(2)), f
+    """``(first, last, filename)`` of each expert file of a checkpoint directory, in expert order.
+
+    One run of ranges per layer shape in a pyramid's checkpoint (:func:`expert_files` says which).
+    """
+    for f in expert_files(path):
+        yield f.first, f.last, f.name
+
+
+ReadPlan = Dict[Tuple[str, str], Tuple[Tuple[int, int], List[ExpertFile]]]
+
+
+def _read_plan(owners: Dict[str, MoEBase], saved_meta: Dict[str, Dict[str, int]], files: List[ExpertFile],
+               section: str, path: str) -> ReadPlan:
+    """Per ``(section, stack)`` of the model: the rows this rank needs and the files of the stack's saved shape.
+
+    Raises (the same on every rank: model, metadata and file names only) when the checkpoint lacks a
+    stack, has another number of experts, or its files of that shape do not cover every expert.
+    """
+    what = "expert parameter" if section == "params" else "per-expert buffer"
+    plan: ReadPlan = {}
+    for name, layer in owners.items():
+        stack = expert_slot(name, layer)[0]
+        if (section, stack) in plan:
+            continue
+        saved = saved_meta.get(stack)
+        if saved is None:
+            raise ValueError(f"{what} {stack}: not in the checkpoint at {path} (saved {what}s: "
+                             f"{sorted(saved_meta) or 'none'})")
+        if saved["num_experts"] != layer.num_experts:
+            raise ValueError(f"{stack}: checkpoint has {saved} experts, the model has {layer.num_experts}")
+        shape = (int(saved["num_experts"]), int(saved["ep_size"]))
+        candidates = [f for f in files if f.shape == shape] or [f for f in files if f.shape is None]
+        end = 0
+        for f in candidates:  # sorted by first row: they must tile [0, num_experts)
+            if f.first != end:
+                break
+            end = f.last
+        if end != shape[0] or not candidates:
+            raise FileNotFoundError(f"{stack}: the expert files of {path} for {shape[0]} experts saved at ep_size "
+                                    f"{shape[1]} do not cover experts [0, {shape[0]}) "
+                                    f"(found {[f.name for f in files]})")
+        plan[(section, stack)] = (layer.expert_range, candidates)
+    return plan
+
+
+def _read_expert_rows(path: str, plan: ReadPlan) -> Dict[Tuple[str, str], Any]:
+    """Assemble, per planned stack, rows [first, last) of its tensors (a dict of them for parameters)."""
+    wanted_by_file: Dict[str, List[Tuple[Tuple[str, str], int, int, ExpertFile]]] = {}
+    for item, ((a, b), files) in plan.items():
+        for f in files:
+            if f.first < b and a < f.last:
+                wanted_by_file.setdefault(f.name, []).append((item, max(a, f.first), min(b, f.last), f))
+    parts: Dict[Tuple[str, str], List[Tuple[int, Any]]] = {item: [] for item in plan}
+    for fname, wanted in sorted(wanted_by_file.items()):
+        # mmap: only the rows sliced below are read from disk.
+        blob = torch.load(os.path.join(path, fname), map_location="cpu", mmap=True, weights_only=False)
+        for (section, stack), lo, hi, f in wanted:
+            value = blob.get(section, {}).get(stack)
+            if value is None:
+                raise KeyError(f"{stack}: missing from {os.path.join(path, fname)} ({section})")
+            rows = slice(lo - f.first, hi - f.first)
+            part = ({k: t[rows].clone() for k, t in value.items()} if isinstance(value, dict)
+                    else value[rows].clone())
+            parts[(section, stack)].append((lo, part))
+    out: Dict[Tuple[str, str], Any] = {}
+    for item, pieces in parts.items():
+        pieces = [p for _, p in sorted(pieces, key=lambda x: x[0])]
+        if isinstance(pieces[0], dict):
+            out[item] = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+        else:
+            out[item] = torch.cat(pieces)
+    return out
