@@ -9,13 +9,17 @@ every rank takes its own batches, so a resumed step must equal the continuing ru
   continuing run's;
 * experts holding buffers (a running mean and a row counter, updated in training and used in the
   forward) saved at ep 2 load at ep 1 with every global expert's buffers, and step 3 equals;
+* a checkpoint missing one expert file is refused on every rank, also on the one that does not read
+  it, before any collective of the load;
 * a checkpoint in the single-range layout as written before pyramids were saved (no per-expert buffer
   sections or metadata; the files rebuilt by hand from a real save) loads at another ep size.
 
 Through ``sparse_scale.SparseEngine`` (``engine.save_checkpoint`` / ``load_checkpoint``): a pyramid
-saves and resumes at other ep sizes.
+saves and resumes at other ep sizes (ZeRO 2 -> ZeRO 0 and 3). Per-expert buffers through that engine at
+another ep size are an expected failure: the engine's per-rank module state holds them too.
 """
 import os
+import shutil
 
 import pytest
 import torch
@@ -26,7 +30,7 @@ from torch import nn
 from moe_proto import moe_class
 from moe_proto.checkpoint import (expert_buffers, expert_files, full_state_dict, load_checkpoint, load_full_state_dict,
                                   save_checkpoint)
-from sparse_scale.multiproc import run_distributed
+from sparse_scale.multiproc import DistributedRunError, run_distributed
 
 D, B, WORLD, LR = 8, 16, 2, 1e-2
 PYRAMID = (2, 4)  # num_experts of layer 0 (per-expert modules) and layer 1 (stacked)
@@ -150,6 +154,18 @@ def run(rank, world_size, root):
             got.append({"eps": load_eps, "stage": load_stage, "loss": step(engine, 2, rank),
                         "params": snapshot(engine)})
         out[name] = (expected, got)
+    # rank 1's expert file of layer 0 lost: rank 0 does not read it, yet every rank refuses before any collective
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "z2"), os.path.join(root, "z2_missing"))
+        os.remove(os.path.join(root, "z2_missing", "moe_proto", "experts_e2-ep2_000001-000002.pt"))
+    dist.barrier()
+    engine = engine_of((2, 1), 2, state)
+    try:
+        load_checkpoint(engine, root, "z2_missing")
+        out["missing"] = None
+    except FileNotFoundError as e:
+        out["missing"] = str(e)
+    dist.barrier()  # both ranks got here: nobody waits in a collective of the load
     # per-expert buffers: saved at ep 2 (ZeRO 2), loaded at ep 1 (ZeRO 0)
     buffered = full_state((4, 4), buffered=True)
     engine = engine_of((2, 2), 2, buffered, (4, 4), True)
@@ -184,7 +200,14 @@ def launch(tmp_path_factory):
     return run_distributed(run, WORLD, args=(root,), timeout_s=120), root
 
 
-@pytest.mark.soak
+def test_a_lost_expert_file_is_refused_on_every_rank_before_any_collective(launch):
+    results, _ = launch
+    for rank, per_rank in enumerate(results):
+        assert per_rank["missing"] is not None, rank
+        assert per_rank["missing"].startswith("moes.0.experts.deepspeed_experts.*.")
+        assert "for 2 experts saved at ep_size 2 do not cover experts [0, 2)" in per_rank["missing"]
+
+
 @pytest.mark.parametrize("saved", list(SAVES))
 def test_pyramid_resumes_at_other_ep_sizes_and_zero_stages(launch, saved):
     results, _ = launch
@@ -199,7 +222,6 @@ def test_pyramid_resumes_at_other_ep_sizes_and_zero_stages(launch, saved):
                 torch.testing.assert_close(g["params"][key], value, rtol=1e-5, atol=1e-6, msg=f"{where} {key}")
 
 
-@pytest.mark.soak
 def test_pyramid_files_are_per_writer_rank_and_layer_shape(launch):
     _, root = launch
     path = os.path.join(root, "z2", "moe_proto")
@@ -215,7 +237,6 @@ def test_pyramid_files_are_per_writer_rank_and_layer_shape(launch):
     assert float(blob["params"]["moes.1.experts.w1"]["exp_avg_sq"].abs().sum()) > 0
 
 
-@pytest.mark.soak
 def test_per_expert_buffers_saved_at_ep2_load_at_ep1(launch):
     results, root = launch
     for rank, per_rank in enumerate(results):
@@ -238,7 +259,6 @@ def test_per_expert_buffers_saved_at_ep2_load_at_ep1(launch):
         "num_experts": 4, "ep_size": 2}
 
 
-@pytest.mark.soak
 def test_single_range_checkpoints_written_before_still_load(launch):
     results, root = launch
     assert sorted(os.listdir(os.path.join(root, "single_range", "moe_proto"))) == [
@@ -246,3 +266,82 @@ def test_single_range_checkpoints_written_before_still_load(launch):
     for rank, per_rank in enumerate(results):
         expected, loss = per_rank["single_range"]
         assert loss == pytest.approx(expected, rel=1e-5, abs=1e-7), rank
+
+
+# ----------------------------------------------------------------------------- through sparse_scale.SparseEngine
+
+
+def sparse_engine_run(rank, world_size, root):
+    import sparse_scale
+
+    def engine_at(eps, stage, seed):
+        torch.manual_seed(seed)
+        config = {"train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6,
+                  "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}}
+        engine, *_ = sparse_scale.initialize(model=Pyramid(eps, 0), config=config)
+        return engine
+
+    engine = engine_at((2, 1), 2, seed=0)
+    for i in range(2):
+        step(engine, i, rank)
+    engine.save_checkpoint(root, client_state={"step": 2})
+    expected = {"loss": step(engine, 2, rank), "params": snapshot(engine)}
+    got = []
+    for eps, stage in (((1, 2), 0), ((2, 2), 3)):
+        engine = engine_at(eps, stage, seed=123)  # other initial weights: the checkpoint must set them all
+        path, client = engine.load_checkpoint(root)
+        got.append({"eps": eps, "stage": stage, "path": path, "client": client, "steps": engine.global_steps,
+                    "loss": step(engine, 2, rank), "params": snapshot(engine)})
+    return expected, got
+
+
+def test_pyramid_saves_and_resumes_through_the_sparse_scale_engine(tmp_path):
+    results = run_distributed(sparse_engine_run, WORLD, args=(str(tmp_path),), timeout_s=60)
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert [f.shape for f in expert_files(str(tmp_path / "global_step2" / "moe_proto"))] == [(2, 2), (2, 2), (4, 1)]
+    for rank, (expected, got) in enumerate(results):
+        for g in got:
+            where = (rank, g["eps"], g["stage"])
+            assert g["path"].endswith("global_step2") and g["client"] == {"step": 2} and g["steps"] == 2, where
+            assert g["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), where
+            assert g["params"].keys() == expected["params"].keys(), where
+            for key, value in expected["params"].items():
+                torch.testing.assert_close(g["params"][key], value, rtol=1e-5, atol=1e-6, msg=f"{where} {key}")
+
+
+def sparse_engine_buffers_run(rank, world_size, root):
+    import sparse_scale
+
+    def engine_at(eps, seed):
+        torch.manual_seed(seed)
+        config = {"train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6, "zero_optimization": {"stage": 0},
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}}
+        model = Pyramid(eps, 0, (4, 4), buffered=True)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("running_mean"):
+                    buf.normal_()
+        engine, *_ = sparse_scale.initialize(model=model, config=config)
+        return engine
+
+    engine = engine_at((2, 2), seed=rank)  # every rank's experts hold their own buffers
+    step(engine, 0, rank)
+    engine.save_checkpoint(root)
+    saved = snapshot(engine)
+    engine = engine_at((1, 1), seed=123)
+    engine.load_checkpoint(root)
+    return saved, snapshot(engine)
+
+
+@pytest.mark.xfail(strict=True, raises=DistributedRunError,
+                   reason="sparse_scale/engine.py also saves each rank's local per-expert buffers in its module state "
+                   "and loads that strictly after moe_proto.checkpoint: at ep 1 the keys of experts 2, 3 are "
+                   "missing (ValueError). Fix there: leave moe_proto.checkpoint.expert_buffers(module) out of the "
+                   "saved module state and of the missing-keys check")
+def test_per_expert_buffers_through_the_sparse_scale_engine_at_another_ep_size(tmp_path):
+    results = run_distributed(sparse_engine_buffers_run, WORLD, args=(str(tmp_path),), timeout_s=60)
+    for rank, (saved, loaded) in enumerate(results):
+        for g in range(4):
+            key = f"moes.0.experts.deepspeed_experts.{g}.1.running_mean"
+            torch.testing.assert_close(loaded[key], saved[key], rtol=0, atol=0, msg=f"rank {rank} expert {g}")
