@@ -70,6 +70,7 @@ _SUBDIR = "moe_proto"
 _EXPERT_FILE = re.compile(r"experts_(\d+)-(\d+)\.pt$")
 _SHAPED_EXPERT_FILE = re.compile(r"experts_e(\d+)-ep(\d+)_(\d+)-(\d+)\.pt$")
 Shape = Tuple[int, int]  # (num_experts, ep_size) of an MoE layer
+_SINGLE, _PER_SHAPE = "single_range", "per_shape"  # meta["expert_layout"]: which expert file names
 
 
 def expert_params(model: nn.Module) -> Dict[str, MoEBase]:
@@ -259,7 +260,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str) -> str:
                 "param_groups": groups,
                 "lr_scheduler": engine.lr_scheduler.state_dict() if getattr(engine, "lr_scheduler", None) else None,
                 "experts": _shape_meta(owners),
-                "expert_buffers": _shape_meta(buffer_owners)}
+                "expert_buffers": _shape_meta(buffer_owners),
+                "expert_layout": _SINGLE if single else _PER_SHAPE}
         torch.save({"params": dense, "buffers": _persistent_buffers(model), "meta": meta},
                    os.path.join(path, "dense.pt"))
         with open(os.path.join(path, "meta.json"), "w") as f:
@@ -298,9 +300,13 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
     owners, buffer_owners = expert_params(model), expert_buffers(model)
     # Before any rank reads an expert file or touches its optimizer: from the model, dense.pt and the file
     # names only, so every rank decides the same and none waits in a collective while another raises.
-    files = expert_files(path)
-    plan = {**_read_plan(owners, meta["experts"], files, "params", path),
-            **_read_plan(buffer_owners, meta.get("expert_buffers", {}), files, "buffers", path)}
+    missing = [name for name in dict(model.named_parameters()) if name not in owners and name not in saved["params"]]
+    if missing:
+        raise KeyError(f"parameters {missing} are missing from the checkpoint at {path}")
+    single = meta.get("expert_layout", _SINGLE) == _SINGLE  # checkpoints before pyramids: single-range names
+    files = {f.name for f in expert_files(path)}
+    plan = {**_read_plan(owners, meta["experts"], files, single, "params", path),
+            **_read_plan(buffer_owners, meta.get("expert_buffers", {}), files, single, "buffers", path)}
     values = _read_expert_rows(path, plan)
     _materialize_optimizer_state(engine, _saved_group_steps(engine, meta))
     for name, param in model.named_parameters():
@@ -310,8 +316,6 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str) -> Dict[str, Any]:
             if index is not None:
                 entry = {k: v[index] for k, v in entry.items()}
         else:
-            if name not in saved["params"]:
-                raise KeyError(f"parameter {name} is missing from the checkpoint at {path}")
             entry = saved["params"][name]
         _write_param_state(engine, param, entry)
     _load_buffers(model, saved.get("buffers", {}), path)
@@ -587,12 +591,14 @@ def iter_expert_files(path: str) -> Iterator[Tuple[int, int, str]]:
 ReadPlan = Dict[Tuple[str, str], Tuple[Tuple[int, int], List[ExpertFile]]]
 
 
-def _read_plan(owners: Dict[str, MoEBase], saved_meta: Dict[str, Dict[str, int]], files: List[ExpertFile],
+def _read_plan(owners: Dict[str, MoEBase], saved_meta: Dict[str, Dict[str, int]], files: set, single: bool,
                section: str, path: str) -> ReadPlan:
     """Per ``(section, stack)`` of the model: the rows this rank needs and the files of the stack's saved shape.
 
-    Raises (the same on every rank: model, metadata and file names only) when the checkpoint lacks a
-    stack, has another number of experts, or its files of that shape do not cover every expert.
+    The files are the ones the saving ranks wrote for the stack's saved ``(num_experts, ep_size)`` (one per
+    expert-parallel rank), named from the metadata, so stale files of another save in the directory are never
+    read. Raises (the same on every rank: model, metadata and file names only) when the checkpoint lacks a
+    stack, has another number of experts, or lacks one of those files.
     """
     what = "expert parameter" if section == "params" else "per-expert buffer"
     plan: ReadPlan = {}
@@ -607,17 +613,14 @@ def _read_plan(owners: Dict[str, MoEBase], saved_meta: Dict[str, Dict[str, int]]
         if saved["num_experts"] != layer.num_experts:
             raise ValueError(f"{stack}: checkpoint has {saved} experts, the model has {layer.num_experts}")
         shape = (int(saved["num_experts"]), int(saved["ep_size"]))
-        candidates = [f for f in files if f.shape == shape] or [f for f in files if f.shape is None]
-        end = 0
-        for f in candidates:  # sorted by first row: they must tile [0, num_experts)
-            if f.first != end:
-                break
-            end = f.last
-        if end != shape[0] or not candidates:
-            raise FileNotFoundError(f"{stack}: the expert files of {path} for {shape[0]} experts saved at ep_size "
-                                    f"{shape[1]} do not cover experts [0, {shape[0]}) "
-                                    f"(found {[f.name for f in files]})")
-        plan[(section, stack)] = (layer.expert_range, candidates)
+        local = shape[0] // shape[1]
+        written = [ExpertFile(None if single else shape, r * local, (r + 1) * local,
+                              _expert_file_name(shape, r * local, (r + 1) * local, single)) for r in range(shape[1])]
+        lost = [f.name for f in written if f.name not in files]
+        if lost:
+            raise FileNotFoundError(f"{stack}: expert files {lost} are missing from {path} (its {shape[0]} experts "
+                                    f"were saved at ep_size {shape[1]}, one file per expert-parallel rank)")
+        plan[(section, stack)] = (layer.expert_range, written)
     return plan
 
 

@@ -121,17 +121,26 @@ def snapshot(engine):
 
 
 def to_single_range_layout(path):
-    """Rewrite a (single-shape) checkpoint as the code before pyramid checkpoints wrote it."""
+    """Rewrite a (single-shape) checkpoint as the code before pyramid checkpoints wrote it.
+
+    Also leaves a stale file of an ep-1 save of the same tag, with zeros: never read at ep size 2.
+    """
     dense_file = os.path.join(path, "dense.pt")
     dense = torch.load(dense_file, weights_only=False)
     assert not dense["meta"].pop("expert_buffers")
+    assert dense["meta"].pop("expert_layout") == "single_range"
     torch.save(dense, dense_file)
+    blobs = []
     for f in expert_files(path):
         assert f.shape is None and f.name == f"experts_{f.first:06d}-{f.last:06d}.pt"
         blob = torch.load(os.path.join(path, f.name), weights_only=False)
         assert not blob["buffers"]
+        blobs.append(blob)
         torch.save({"first": blob["first"], "last": blob["last"], "params": blob["params"]},
                    os.path.join(path, f.name))
+    stale = {stack: {k: torch.zeros_like(torch.cat([b["params"][stack][k] for b in blobs])) for k in entry}
+             for stack, entry in blobs[0]["params"].items()}
+    torch.save({"first": 0, "last": 4, "params": stale}, os.path.join(path, "experts_000000-000004.pt"))
 
 
 def run(rank, world_size, root):
@@ -205,7 +214,7 @@ def test_a_lost_expert_file_is_refused_on_every_rank_before_any_collective(launc
     for rank, per_rank in enumerate(results):
         assert per_rank["missing"] is not None, rank
         assert per_rank["missing"].startswith("moes.0.experts.deepspeed_experts.*.")
-        assert "for 2 experts saved at ep_size 2 do not cover experts [0, 2)" in per_rank["missing"]
+        assert "['experts_e2-ep2_000001-000002.pt'] are missing" in per_rank["missing"]
 
 
 @pytest.mark.parametrize("saved", list(SAVES))
@@ -262,7 +271,7 @@ def test_per_expert_buffers_saved_at_ep2_load_at_ep1(launch):
 def test_single_range_checkpoints_written_before_still_load(launch):
     results, root = launch
     assert sorted(os.listdir(os.path.join(root, "single_range", "moe_proto"))) == [
-        "dense.pt", "experts_000000-000002.pt", "experts_000002-000004.pt", "meta.json"]
+        "dense.pt", "experts_000000-000002.pt", "experts_000000-000004.pt", "experts_000002-000004.pt", "meta.json"]
     for rank, per_rank in enumerate(results):
         expected, loss = per_rank["single_range"]
         assert loss == pytest.approx(expected, rel=1e-5, abs=1e-7), rank
