@@ -14,6 +14,9 @@ every rank takes its own batches, so a resumed step must equal the continuing ru
 * a checkpoint in the single-range layout as written before pyramids were saved (no per-expert buffer
   sections or metadata; the files rebuilt by hand from a real save) loads at another ep size.
 
+DeepSpeed's PR-MoE test model (tests/moe_proto/test_ds_battery.py: 4 experts at ep 2, 8 at ep 4, 4 ranks,
+soak) saved under ZeRO 2 resumes at ep (4, 2) ZeRO 1, (1, 1) ZeRO 0 and (2, 2) ZeRO 3.
+
 Through ``sparse_scale.SparseEngine`` (``engine.save_checkpoint`` / ``load_checkpoint``): a pyramid
 saves and resumes at other ep sizes (ZeRO 2 -> ZeRO 0 and 3). Per-expert buffers through that engine at
 another ep size are an expected failure: the engine's per-rank module state holds them too.
@@ -354,3 +357,59 @@ def test_per_expert_buffers_through_the_sparse_scale_engine_at_another_ep_size(t
         for g in range(4):
             key = f"moes.0.experts.deepspeed_experts.{g}.1.running_mean"
             torch.testing.assert_close(loaded[key], saved[key], rtol=0, atol=0, msg=f"rank {rank} expert {g}")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's PR-MoE test model, 4 ranks
+
+PRMOE_LOADS = [((4, 2), 1), ((1, 1), 0), ((2, 2), 3)]  # (ep sizes of the 4- and 8-expert layers, ZeRO stage)
+
+
+def prmoe_run(rank, world_size, root):
+    import deepspeed
+
+    from moe_proto.zero3 import to_zero3
+    from tests.moe_proto.test_ds_battery import PRMoEModel, make_engine, perturb_experts
+    from tests.moe_proto.test_ds_battery import batch as ds_batch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def train(engine, i):
+        loss = engine(*ds_batch(i, rank))
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    torch.manual_seed(0)
+    model = PRMoEModel("ours", num_experts=(4, 8), ep_sizes=(2, 4))  # 4 experts at ep 2, 8 at ep 4
+    perturb_experts(model, rank)
+    engine = make_engine(model, 2)
+    for i in range(2):
+        train(engine, i)
+    save_checkpoint(engine, root, "prmoe")
+    expected = {"loss": train(engine, 2), "params": snapshot(engine)}
+    got = []
+    for eps, stage in PRMOE_LOADS:
+        torch.manual_seed(1)
+        model = PRMoEModel("ours", num_experts=(4, 8), ep_sizes=eps)
+        if stage == 3:
+            for layer in model.moes:
+                to_zero3(layer)
+        engine = make_engine(model, stage)
+        load_checkpoint(engine, root, "prmoe")
+        got.append({"eps": eps, "stage": stage, "loss": train(engine, 2), "params": snapshot(engine)})
+    return expected, got
+
+
+@pytest.mark.soak
+def test_deepspeeds_prmoe_model_resumes_at_other_ep_sizes(tmp_path):
+    results = run_distributed(prmoe_run, 4, args=(str(tmp_path),), timeout_s=90)
+    shapes = [(f.shape, f.first, f.last) for f in expert_files(str(tmp_path / "prmoe" / "moe_proto"))]
+    assert shapes == [((4, 2), 0, 2), ((4, 2), 2, 4)] + [((8, 4), 2 * r, 2 * r + 2) for r in range(4)]
+    for rank, (expected, got) in enumerate(results):
+        for g in got:
+            where = (rank, g["eps"], g["stage"])
+            assert g["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), where
+            assert g["params"].keys() == expected["params"].keys(), where
+            for key, value in expected["params"].items():
+                torch.testing.assert_close(g["params"][key], value, rtol=1e-5, atol=1e-6, msg=f"{where} {key}")
