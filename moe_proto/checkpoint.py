@@ -117,7 +117,7 @@ _PER_EXPERT = re.compile(r"^(?P<head>(?:.*\.)?experts\.deepspeed_experts\.)(?P<i
 
 
 def expert_slot(name: str, layer: MoEBase) -> Tuple[str, Optional[int]]:
-    """Where an expert parameter's values go in a checkpoint: ``(stacked name, local expert index)``.
+    """Where an expert parameter's (or per-expert buffer's) values go in a checkpoint: ``(stack name, local index)``.
 
     A stacked parameter is its own stack (index None). Local expert ``i``'s ``<key>`` of a per-expert
     layer is row ``i`` of the stack ``<prefix>.experts.deepspeed_experts.*.<key>``, so both kinds are

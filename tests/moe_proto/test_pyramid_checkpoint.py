@@ -5,10 +5,10 @@ every rank takes its own batches, so a resumed step must equal the continuing ru
 
 * a pyramid (layer 0: 2 per-expert-module experts, layer 1: 4 stacked experts) saved at ep (2, 1)
   under ZeRO 0 and ZeRO 2 after 2 steps: one expert file per writer rank per layer shape; loaded at
-  ep (1, 2), (1, 1) and (2, 2), under ZeRO 0, 2 and 3, step 3's loss and parameters equal the
+  ep (1, 1) ZeRO 2, (1, 2) ZeRO 0 and (2, 2) ZeRO 3, step 3's loss and parameters equal the
   continuing run's;
 * experts holding buffers (a running mean and a row counter, updated in training and used in the
-  forward) saved at ep 2 load at ep 1 with every global expert's buffers, and step 3 equals;
+  forward) saved at ep 2 load at ep 1 (ZeRO 0 and 3) with every global expert's buffers, and step 3 equals;
 * a checkpoint missing one expert file is refused on every rank, also on the one that does not read
   it, before any collective of the load;
 * a checkpoint in the single-range layout as written before pyramids were saved (no per-expert buffer
@@ -38,7 +38,7 @@ from sparse_scale.multiproc import DistributedRunError, run_distributed
 D, B, WORLD, LR = 8, 16, 2, 1e-2
 PYRAMID = (2, 4)  # num_experts of layer 0 (per-expert modules) and layer 1 (stacked)
 SAVES = {"z0": ((2, 1), 0), "z2": ((2, 1), 2)}  # name: (ep sizes, ZeRO stage)
-LOADS = {"z0": [((1, 2), 2), ((1, 1), 3)], "z2": [((1, 2), 0), ((2, 2), 3)]}
+LOADS = {"z0": [((1, 1), 2)], "z2": [((1, 2), 0), ((2, 2), 3)]}
 
 
 class RunningCenter(nn.Module):
@@ -146,11 +146,15 @@ def to_single_range_layout(path):
     torch.save({"first": 0, "last": 4, "params": stale}, os.path.join(path, "experts_000000-000004.pt"))
 
 
-def run(rank, world_size, root):
+def init_ranks():
     import deepspeed
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def pyramid_run(rank, world_size, root):
+    init_ranks()
     state = full_state()
     out = {}
     for name, (eps, stage) in SAVES.items():
@@ -171,14 +175,20 @@ def run(rank, world_size, root):
         shutil.copytree(os.path.join(root, "z2"), os.path.join(root, "z2_missing"))
         os.remove(os.path.join(root, "z2_missing", "moe_proto", "experts_e2-ep2_000001-000002.pt"))
     dist.barrier()
-    engine = engine_of((2, 1), 2, state)
+    engine = engine_of((2, 1), 0, state)
     try:
         load_checkpoint(engine, root, "z2_missing")
         out["missing"] = None
     except FileNotFoundError as e:
         out["missing"] = str(e)
     dist.barrier()  # both ranks got here: nobody waits in a collective of the load
-    # per-expert buffers: saved at ep 2 (ZeRO 2), loaded at ep 1 (ZeRO 0)
+    return out
+
+
+def buffers_and_single_range_run(rank, world_size, root):
+    init_ranks()
+    out = {}
+    # per-expert buffers: saved at ep 2 (ZeRO 2), loaded at ep 1 (ZeRO 0 and 3)
     buffered = full_state((4, 4), buffered=True)
     engine = engine_of((2, 2), 2, buffered, (4, 4), True)
     for i in range(2):
@@ -186,10 +196,13 @@ def run(rank, world_size, root):
     save_checkpoint(engine, root, "buffers")
     saved = snapshot(engine)
     expected = step(engine, 2, rank)
-    engine = engine_of((1, 1), 0, buffered, (4, 4), True)
-    load_checkpoint(engine, root, "buffers")
-    out["buffers"] = {"saved": saved, "loaded": snapshot(engine), "expected": expected,
-                      "loss": step(engine, 2, rank), "names": sorted(expert_buffers(engine.module))}
+    loads = []
+    for stage in (0, 3):
+        engine = engine_of((1, 1), stage, buffered, (4, 4), True)
+        load_checkpoint(engine, root, "buffers")
+        loads.append({"stage": stage, "loaded": snapshot(engine), "loss": step(engine, 2, rank)})
+    out["buffers"] = {"saved": saved, "expected": expected, "loads": loads,
+                      "names": sorted(expert_buffers(engine.module))}
     # the single-range layout as written before (no buffer sections), saved at ep 2, loaded at ep 1
     uniform = full_state((4, 4))
     engine = engine_of((2, 2), 2, uniform, (4, 4))
@@ -209,7 +222,13 @@ def run(rank, world_size, root):
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pyramid"))
-    return run_distributed(run, WORLD, args=(root,), timeout_s=120), root
+    return run_distributed(pyramid_run, WORLD, args=(root,), timeout_s=60), root
+
+
+@pytest.fixture(scope="module")
+def buffer_launch(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("buffers"))
+    return run_distributed(buffers_and_single_range_run, WORLD, args=(root,), timeout_s=60), root
 
 
 def test_a_lost_expert_file_is_refused_on_every_rank_before_any_collective(launch):
@@ -249,30 +268,33 @@ def test_pyramid_files_are_per_writer_rank_and_layer_shape(launch):
     assert float(blob["params"]["moes.1.experts.w1"]["exp_avg_sq"].abs().sum()) > 0
 
 
-def test_per_expert_buffers_saved_at_ep2_load_at_ep1(launch):
-    results, root = launch
+def test_per_expert_buffers_saved_at_ep2_load_at_ep1(buffer_launch):
+    results, root = buffer_launch
     for rank, per_rank in enumerate(results):
         r = per_rank["buffers"]
         assert "moes.0.experts.deepspeed_experts.0.1.running_mean" in r["names"]
         keys = [f"moes.0.experts.deepspeed_experts.{g}.1.{b}" for g in range(4) for b in ("running_mean", "rows_seen")]
-        # every global expert's buffers as the ep-2 run held them (ep 1 holds all four experts on each rank)
-        for key in keys:
-            torch.testing.assert_close(r["loaded"][key], r["saved"][key], rtol=0, atol=0, msg=f"{rank} {key}")
         # distinct per expert and moved by training: a rank-0-only save would have failed here
         assert len({tuple(r["saved"][k].tolist()) for k in keys if k.endswith("running_mean")}) == 4
         assert int(sum(r["saved"][k] for k in keys if k.endswith("rows_seen"))) > 0
-        assert r["loaded"].keys() == r["saved"].keys()
-        for key, value in r["saved"].items():
-            torch.testing.assert_close(r["loaded"][key], value, rtol=0, atol=0, msg=f"{rank} {key}")
-        assert r["loss"] == pytest.approx(r["expected"], rel=1e-5, abs=1e-7), rank
+        assert [load["stage"] for load in r["loads"]] == [0, 3]
+        for load in r["loads"]:
+            where = (rank, load["stage"])
+            # every global expert's buffers as the ep-2 run held them (ep 1 holds all four experts on each rank)
+            for key in keys:
+                torch.testing.assert_close(load["loaded"][key], r["saved"][key], rtol=0, atol=0, msg=f"{where} {key}")
+            assert load["loaded"].keys() == r["saved"].keys()
+            for key, value in r["saved"].items():
+                torch.testing.assert_close(load["loaded"][key], value, rtol=0, atol=0, msg=f"{where} {key}")
+            assert load["loss"] == pytest.approx(r["expected"], rel=1e-5, abs=1e-7), where
     meta = torch.load(os.path.join(root, "buffers", "moe_proto", "dense.pt"), weights_only=False)
     assert not any("running_mean" in k for k in meta["buffers"])  # not among rank 0's replicated buffers
     assert meta["meta"]["expert_buffers"]["moes.0.experts.deepspeed_experts.*.1.running_mean"] == {
         "num_experts": 4, "ep_size": 2}
 
 
-def test_single_range_checkpoints_written_before_still_load(launch):
-    results, root = launch
+def test_single_range_checkpoints_written_before_still_load(buffer_launch):
+    results, root = buffer_launch
     assert sorted(os.listdir(os.path.join(root, "single_range", "moe_proto"))) == [
         "dense.pt", "experts_000000-000002.pt", "experts_000000-000004.pt", "experts_000002-000004.pt", "meta.json"]
     for rank, per_rank in enumerate(results):
