@@ -126,8 +126,8 @@ class PicassoConfig(StrictBlock):
         InterleaveConfig(), description="Micro-batch interleaving inside a step and read-ahead of training batches "
                                         "(both off by default).")
     pipeline: Literal["row_wise", "all", "off"] = Field(
-        "row_wise", description='Sparse-dist pipeline of the rec job: a background thread reads the next training '
-                                'batch and, on a gloo group of its own, prepares its lookups while this batch\'s '
+        "row_wise", description='Sparse-dist pipeline of the rec job and of engine.pipeline(batches) in an own '
+                                'script: a background thread reads the next training batch and, on a gloo group of its own, prepares its lookups while this batch\'s '
                                 'forward and backward run. "row_wise" (default): the row-wise tables\' ids are '
                                 'deduplicated and sent to their owners, and the rows fetched once this batch\'s '
                                 'step is done (a model without row-wise tables runs unpipelined); "all": also the '

@@ -7,6 +7,8 @@ Everything DeepSpeed's engine has is reachable on it (``engine.global_steps``, `
   (``picasso_ops.distributed.engine_step``: their optimizer at DeepSpeed's lr schedule, dropped
   with a skipped fp16 step) and the MoE layers' expert-bias update from the step's loads;
   under a gba block the GBA engine's step (the servers own tables and dense state);
+* ``pipeline(batches)``: the batches with each next one's ids read, deduplicated and exchanged
+  on a thread while this one trains (``picasso.pipeline``); ``step()`` tells it the step is done;
 * ``save_checkpoint`` / ``load_checkpoint``: hot-row caches flushed first; a model with
   ``moe_proto`` MoE layers goes through ``moe_proto.checkpoint`` (expert rows per global
   expert, reloads at any ep_size, ZeRO 0-3) plus each rank's other module state;
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -51,14 +53,16 @@ class SparseEngine:
         out = engine(x); engine.backward(loss_fn(out, y)); engine.step()
     """
 
-    _OWN = frozenset({"inner", "gba", "sparse_lr", "is_server", "module", "_moe", "_balanced"})
+    _OWN = frozenset({"inner", "gba", "sparse_lr", "is_server", "module", "picasso", "_moe", "_balanced", "_loader"})
 
-    def __init__(self, inner: Any, *, gba: bool, sparse_lr: float | None) -> None:
+    def __init__(self, inner: Any, *, gba: bool, sparse_lr: float | None, picasso: Any = None) -> None:
         self.inner, self.gba, self.sparse_lr = inner, gba, sparse_lr
+        self.picasso = picasso  # the config's picasso block (None: none)
         self.is_server = bool(getattr(inner, "is_server", False))
         self.module: torch.nn.Module = inner.module
         self._moe = has_moe_layers(self.module)
         self._balanced = bool(balance_modules(self.module))
+        self._loader: Any = None  # the open engine.pipeline() pass, told of each step
 
     def __getattr__(self, name: str) -> Any:
         inner = self.__dict__.get("inner")
@@ -95,6 +99,46 @@ class SparseEngine:
                 update_expert_biases(self.module)  # collective over the world: every rank steps together
             else:
                 reset_expert_loads(self.module)
+        if self._loader is not None:
+            self._loader.step_done()  # the tables are updated: the next batch's rows may be fetched
+
+    def pipeline(self, batches: Iterable[Any], ids: Callable[[Any], tuple[torch.Tensor, ...]] | None = None,
+                 *, timeout_s: float = 300.0) -> Iterable[Any]:
+        """``batches``, each next one's sparse ids read and exchanged on a thread while this one trains.
+
+        As ``picasso.pipeline`` says (``"row_wise"``, the default: the row-wise tables; ``"all"``: also
+        the data-parallel ones; ``"off"``); where it does not apply (no such tables, a gba block,
+        ``interleave.micro_batches > 1``, a cache) ``batches`` come back as they are, and rank 0 logs
+        why. Results equal the unpipelined loop's bit for bit. A collective: every rank calls it and
+        iterates in step, one ``engine.step()`` per batch. ``ids``: a batch's field-major ``(values,
+        lengths)`` as the model's tables get them (default: the batch's torchrec ``KeyedJaggedTensor``).
+        Calling it again ends the pass before.
+
+        Example::
+
+            for dense, kjt, labels in engine.pipeline(loader):
+                engine.backward(loss_fn(engine(dense, kjt), labels)); engine.step()
+        """
+        from picasso_ops.distributed.pipelined_loader import PipelinedLoader, unpipelined_reason
+
+        self.close_pipeline()
+        block = self.picasso
+        mode = block.pipeline if block is not None else "row_wise"
+        why = "a gba block's tables live on the parameter servers" if self.gba else unpipelined_reason(
+            mode, self.module, micro_batches=block.interleave.micro_batches if block is not None else 1,
+            cache=block is not None and block.cache is not None)
+        if why is not None:
+            if _rank() == 0:
+                logger.info("engine.pipeline: the batches run unpipelined (%s)", why)
+            return batches
+        self._loader = PipelinedLoader(self.module, batches, ids, data_parallel=mode == "all", timeout_s=timeout_s)
+        return self._loader
+
+    def close_pipeline(self) -> None:
+        """End the open :meth:`pipeline` pass early (every rank); nothing when none is open."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.close()
 
     def train(self, mode: bool = True) -> "SparseEngine":
         self.inner.train(mode)
@@ -105,7 +149,8 @@ class SparseEngine:
         return self
 
     def close(self) -> None:
-        """A gba worker leaves the job (the servers stop once every worker closed); nothing for DeepSpeed's engine."""
+        """End an open :meth:`pipeline` pass; a gba worker leaves the job (the servers stop once every worker closed)."""
+        self.close_pipeline()
         if self.gba:
             self.inner.close()
 

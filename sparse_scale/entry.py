@@ -316,7 +316,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         collate_fn=collate_fn, config=job.ds)
     if has_moe_layers(model):
         bind_expert_aware_clipping(ds_engine)  # DeepSpeed's fp32 clip counts replicated experts once per rank
-    return SparseEngine(ds_engine, gba=False, sparse_lr=sparse_lr), ds_optimizer, _prefetching(loader, job), scheduler
+    engine = SparseEngine(ds_engine, gba=False, sparse_lr=sparse_lr, picasso=job.blocks.get("picasso"))
+    return engine, ds_optimizer, _prefetching(loader, job), scheduler
 
 
 def _sparse_lr(model: nn.Module, job: JobConfig) -> float | None:
@@ -345,7 +346,7 @@ def _initialize_gba(job: JobConfig, model: nn.Module, model_parameters: Any, mas
     config = {**job.ds, "gba": job.blocks["gba"].model_dump()}
     engine = gba_engine.initialize(model=model, config=config, model_parameters=model_parameters,
                                    control_host=master, row_cache=cache, link=link, **kwargs)
-    wrapped = SparseEngine(engine, gba=True, sparse_lr=sparse_lr)
+    wrapped = SparseEngine(engine, gba=True, sparse_lr=sparse_lr, picasso=picasso)
     ds = getattr(engine, "ds_engine", None)
     return (wrapped, getattr(ds, "optimizer", None), getattr(ds, "training_dataloader", None),
             getattr(ds, "lr_scheduler", None))

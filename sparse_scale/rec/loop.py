@@ -85,22 +85,18 @@ def sparse_pipeline(job: RecJob, engine: RecEngine, stream: TrainStream) -> Any:
     It applies to per-rank streams with packed row-wise tables (``"all"``: or data-parallel ones)
     under ``sparse_scale.initialize``'s DeepSpeed engine, with ``interleave.micro_batches`` 1 and no cache.
     """
+    from picasso_ops.distributed.pipeline import SparseDistPipeline
+    from picasso_ops.distributed.pipelined_loader import unpipelined_reason
+
     block = job.picasso
     if block is None or block.pipeline == "off":
         return None
-    why = None
-    if stream.is_claimed or job.gba is not None:
-        why = "batches are claimed by number (gba block)"
-    elif block.interleave.micro_batches > 1:
-        why = "interleave.micro_batches > 1 splits each batch"
-    elif block.cache is not None:
-        why = "a cache serves the tables"
     data_parallel = block.pipeline == "all"
-    if why is None:
-        from picasso_ops.distributed.pipeline import SparseDistPipeline, pipelined_tables
-
-        if not pipelined_tables(engine.module, data_parallel):
-            why = "the model has no packed " + ("data-parallel or row-wise" if data_parallel else "row-wise") + " tables"
+    if stream.is_claimed or job.gba is not None:
+        why: str | None = "batches are claimed by number (gba block)"
+    else:
+        why = unpipelined_reason(block.pipeline, engine.module, micro_batches=block.interleave.micro_batches,
+                                 cache=block.cache is not None)
     if why is not None:
         if job.rank == 0:  # the default ("row_wise") on a model without row-wise tables: not worth a line
             log = logger.info if data_parallel else logger.debug

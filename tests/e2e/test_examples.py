@@ -98,6 +98,16 @@ def test_dlrm_kjt_learns_and_its_table_replicas_agree(deepspeed_built, tmp_path,
     assert r["loss_last"] < r["loss_first"], r
     assert len(r["table_checksums"]) == 2 and r["table_checksums"][0] == r["table_checksums"][1], r
     assert r["replicas_agree"], r
+    assert r["read_ahead"] == 0, r  # data-parallel tables: engine.pipeline hands the batches back
+
+
+@pytest.mark.soak  # a launcher run of 10 s or more: make soak (CI runs it)
+@pytest.mark.slow
+def test_dlrm_kjt_with_row_wise_tables_trains_through_the_pipeline(deepspeed_built, tmp_path):
+    r = run_example(tmp_path, "dlrm_kjt.py", 2, "--steps", "60", "--eval-samples", "2048", "--sharding", "row_wise")
+    assert r["sharding"] == "row_wise" and r["replicas_agree"] is None, r
+    assert r["auc"] >= 0.75 and r["learned"] and r["loss_last"] < r["loss_first"], r
+    assert r["read_ahead"] >= 59, r  # every batch after the first was prepared on the pipeline's thread
 
 
 @pytest.mark.slow
