@@ -172,14 +172,15 @@ class SparseEngine:
             return self.inner.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                               **kwargs)
         _refuse_options("save_checkpoint", kwargs)
+        from moe_proto.checkpoint import expert_buffers
         from moe_proto.checkpoint import save_checkpoint as save_moe
         from moe_proto.ds_layout import stacked_layout
 
         tag = tag or f"global_step{self.inner.global_steps}"
         save_moe(self.inner, save_dir, tag)  # collective; creates <save_dir>/<tag>
-        params = {name for name, _ in self.module.named_parameters()}
+        in_moe_files = {name for name, _ in self.module.named_parameters()} | set(expert_buffers(self.module))
         with stacked_layout(self.module):  # the layers' own keys: the experts are in moe_proto's files
-            state = {k: v for k, v in self.module.state_dict().items() if k not in params}
+            state = {k: v for k, v in self.module.state_dict().items() if k not in in_moe_files}
         torch.save({"module_state": state, "client_state": client_state},
                    Path(save_dir) / tag / MODULE_STATE_FILE.format(rank=_rank()))
         if dist.is_initialized():
@@ -196,6 +197,7 @@ class SparseEngine:
         if not self._moe:
             return self._load_with_row_shards(load_dir, tag, kwargs)
         _refuse_options("load_checkpoint", kwargs)
+        from moe_proto.checkpoint import expert_buffers
         from moe_proto.checkpoint import load_checkpoint as load_moe
 
         if tag is None:
@@ -211,10 +213,10 @@ class SparseEngine:
                                     "incomplete (each rank saves its own module state)")
         saved = torch.load(path, map_location="cpu", weights_only=False)
         missing, unexpected = self.module.load_state_dict(saved["module_state"], strict=False)
-        params = {name for name, _ in self.module.named_parameters()}
-        if unexpected or set(missing) - params:
+        in_moe_files = {name for name, _ in self.module.named_parameters()} | set(expert_buffers(self.module))
+        if unexpected or set(missing) - in_moe_files:
             raise ValueError(f"{path}: the checkpoint's module state does not fit the model "
-                             f"(unexpected {unexpected}, missing {sorted(set(missing) - params)})")
+                             f"(unexpected {unexpected}, missing {sorted(set(missing) - in_moe_files)})")
         return str(Path(load_dir) / tag), saved["client_state"]
 
     def _load_with_row_shards(self, load_dir: str, tag: str | None, kwargs: dict[str, Any]) -> tuple[str | None, dict]:
