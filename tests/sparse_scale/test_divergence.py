@@ -232,3 +232,84 @@ def test_diverging_moe_lm_exits_non_zero_and_keeps_the_last_good_checkpoint(tmp_
     else:
         assert f"the last good checkpoint {out / 'checkpoints' / latest} is kept" in got["message"], got
     assert not (out / "summary.json").exists()
+
+
+# --- ranks agree every AGREE_EVERY steps, before each save, and when DeepSpeed's checks stop the run -------------
+
+def _one_rank_goes_nan(rank, world_size, scenario):
+    """Run a guard in lockstep over real gloo ranks; the (step, message) where this rank stopped, or None.
+
+    Rank 1's loss is NaN at step 5 (not a multiple of AGREE_EVERY); in "two", rank 0's turns inf at step 9 as well;
+    in "save", the loop checks the parameters before a save at step 7; in "norm", DeepSpeed's global gradient norm
+    (the same on every rank) is NaN at step 5.
+    """
+    import torch
+
+    from sparse_scale.divergence import AGREE_EVERY
+
+    guard, ds, net = DivergenceGuard(max_skipped_steps=5), _FakeDeepSpeed(), torch.nn.Linear(2, 1)
+    for step in range(1, 2 * AGREE_EVERY + 1):
+        guard.start_step(ds)
+        loss = float("nan") if (rank == 1 and step == 5) else 0.5
+        if scenario == "two" and rank == 0 and step >= 9:
+            loss = float("inf")
+        guard.loss(loss)
+        ds.norm = float("nan") if scenario == "norm" and step == 5 else 1.0
+        try:
+            guard.end_step(step, ds)
+            if scenario == "save" and step == 7:
+                guard.check_params(net, step)
+        except DivergenceError as exc:
+            return step, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("scenario", ["two", "save", "norm"])
+def test_a_nan_loss_on_one_rank_stops_every_rank_naming_its_step_and_rank(scenario):
+    from sparse_scale.divergence import AGREE_EVERY
+
+    got = run_distributed(_one_rank_goes_nan, 2, args=(scenario,), timeout_s=40)
+    stop = {"two": AGREE_EVERY, "save": 7, "norm": 5}[scenario]
+    assert [g[0] if g else None for g in got] == [stop, stop], got  # every rank, at the same step
+    for _, message in got:
+        assert message.startswith("training diverged at step 5: loss is nan on rank 1 (non-finite"), message
+        assert ("every rank stopped at step" in message) == (stop != 5), message
+
+
+def _count_agreements(rank, world_size, agree_every, lockstep, steps):
+    """How many all_reduce calls the guard makes over ``steps`` healthy optimizer steps, and with check_params."""
+    import torch
+    import torch.distributed as dist
+
+    calls = {"n": 0}
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting  # this rank's process only
+    guard, ds = DivergenceGuard(group=None, lockstep=lockstep, agree_every=agree_every), _FakeDeepSpeed()
+    for step in range(1, steps + 1):
+        guard.start_step(ds)
+        guard.loss(0.5)
+        guard.end_step(step, ds)
+    in_steps = calls["n"]
+    guard.check_params(torch.nn.Linear(2, 1), steps)  # a save or the end: one collective for loss and parameters
+    return in_steps, calls["n"] - in_steps
+
+
+def test_the_guard_all_reduces_once_every_k_steps_and_once_per_check_params():
+    from sparse_scale.divergence import AGREE_EVERY
+
+    steps = 3 * AGREE_EVERY + 5
+    got = run_distributed(_count_agreements, 2, args=(None, True, steps), timeout_s=40)
+    assert got == [(3, 1), (3, 1)], got  # N // K in the steps, whatever rank
+    assert run_distributed(_count_agreements, 2, args=(1, True, 7), timeout_s=40) == [(7, 1), (7, 1)]
+    assert run_distributed(_count_agreements, 2, args=(4, False, 9), timeout_s=40) == [(0, 0), (0, 0)]  # gba
+
+
+def test_agree_every_must_be_a_positive_int():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"agree_every=.*must be an int >= 1"):
+            DivergenceGuard(agree_every=bad)

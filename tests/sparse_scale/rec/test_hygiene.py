@@ -16,7 +16,7 @@ import torch
 
 from picasso_ops.embedding import PackedEmbeddingCollection
 from picasso_ops.embedding.sparse_optim import LazyAdam, RowUpdate, RowWiseAdagrad, SparseSGD, create_optimizer
-from sparse_scale.divergence import EXPLOSION_WINDOW, DivergenceError, DivergenceGuard, bce_entropy
+from sparse_scale.divergence import AGREE_EVERY, EXPLOSION_WINDOW, DivergenceError, DivergenceGuard, bce_entropy
 from sparse_scale.multiproc import run_distributed
 from sparse_scale.rec.early_stop import EarlyStopping
 from tests.picasso_ops.data.test_files import random_rows, write_tsv
@@ -368,14 +368,20 @@ def test_early_stop_ends_the_run_when_patience_runs_out(tmp_path, ctr_files):
 
 
 def _two_ranks_one_explodes(rank, world_size, folder):
-    """Rank 1's loss explodes, rank 0's stays healthy: both must stop at the same step, naming the same checkpoint."""
-    guard = DivergenceGuard(explosion_factor=10.0)
-    losses = [0.69, 0.6, 0.55, 0.5, 0.5, 0.5] + ([0.5] * 6 if rank == 0 else [50.0] * 6)
+    """Rank 1's loss explodes, rank 0's stays healthy: both must stop at the same step, naming the same checkpoint.
+
+    Like the rec loop, each save is preceded by check_params (an agreement of the ranks)."""
+    import torch
+
+    guard, net = DivergenceGuard(explosion_factor=10.0), torch.nn.Linear(2, 1)
+    losses = [0.69, 0.6, 0.55, 0.5, 0.5, 0.5] + ([0.5] if rank == 0 else [50.0]) * (AGREE_EVERY - 6)
     for step, loss in enumerate(losses, start=1):
         guard.start_step(None)
         guard.loss(loss, baseline=bce_entropy(0.5))
         try:
             guard.end_step(step, None)
+            if step in (4, 8):
+                guard.check_params(net, step)
         except DivergenceError as exc:
             return step, str(exc)
         if step in (4, 8):
@@ -388,7 +394,9 @@ def _two_ranks_one_explodes(rank, world_size, folder):
 
 def test_ranks_agree_on_a_finite_explosion_seen_by_one_of_them(tmp_path):
     got = run_distributed(_two_ranks_one_explodes, 2, args=(str(tmp_path),), timeout_s=30)
-    assert got[0] is not None and got[1] is not None and got[0][0] == got[1][0] == 9, got  # median of 5: 3 bad
+    # rank 1 sees it at step 9 (median of 5: 3 bad); the ranks agree at the next multiple of AGREE_EVERY
+    assert got[0] is not None and got[1] is not None and got[0][0] == got[1][0] == AGREE_EVERY, got
+    assert all(message.startswith("training diverged at step 9: ") for _, message in got), got
     assert "exploded on another rank while staying finite (more than 10x its reference from step 7 on" in got[0][1]
     assert "exploded while staying finite: the median of the last 5 steps' loss is 50" in got[1][1]
     for _, message in got:  # step 8 was saved after the explosion began (step 7): step 4 is the good one
