@@ -83,7 +83,8 @@ def planned_field_embeddings(block: Any, *, world_size: int, batch_size: int, ra
     """A ``PackedFieldEmbeddings``-like factory that places each table by the planner (and the block's overrides).
 
     Args:
-        block: a validated ``picasso`` block (``sharding`` ``"auto"``; its ``table_sharding`` overrides).
+        block: a validated ``picasso`` block (``sharding`` ``"auto"``; its ``table_sharding`` overrides; its
+            ``pipeline``: the row-wise lookups are planned as pipelined unless it is ``"off"`` or cannot run).
         world_size: ranks the tables span.
         batch_size: samples per rank per step (the micro-batch).
         rank: this process's rank (the plan is logged on rank 0).
@@ -100,6 +101,8 @@ def planned_field_embeddings(block: Any, *, world_size: int, batch_size: int, ra
     """
     overrides = dict(block.table_sharding)
     unique = dict(unique_ids or {})
+    # the plan counts on the sparse-dist pipeline where the block lets it run (the rec job's loop, engine.pipeline)
+    pipelined = block.pipeline != "off" and block.interleave.micro_batches == 1 and block.cache is None
 
     def make(vocab_sizes: Sequence[int], dim: int, pooling: str, sparse: SparseArgs, init_std: Optional[float],
              prefix: str) -> nn.Module:
@@ -115,7 +118,8 @@ def planned_field_embeddings(block: Any, *, world_size: int, batch_size: int, ra
                              f"(tables {list(index)[:6]}{' ...' if len(index) > 6 else ''})")
         plan = plan_tables(specs, world_size=world_size, batch_size=batch_size, ids_per_field=ids_per_field,
                            unique_ids={k: v for k, v in unique.items() if k in mine},
-                           overrides={k: v for k, v in resolved.items() if k in mine}, cost=cost)
+                           overrides={k: v for k, v in resolved.items() if k in mine}, cost=cost,
+                           pipelined=pipelined)
         plan.log(rank, what=f"{len(specs)} '{prefix}' tables (picasso.sharding auto)")
         if plan.uniform is not None:
             return PackedFieldEmbeddings(list(vocab_sizes), dim, pooling,

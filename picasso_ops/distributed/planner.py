@@ -24,6 +24,10 @@ value per row for ``rowwise_adagrad``, ``2 D`` for ``adam``, none for ``sgd``). 
 ``bytes / bandwidth + rows updated x D x update cost per value``, plus, for row-wise, a cost per
 looked-up id (its routing, dedup and local pooling run as torch ops where the data-parallel lookup
 runs the fused kernel) (:class:`CostModel`; set its constants for the network and CPU at hand).
+With ``pipelined`` (the sparse-dist pipeline prepares the row-wise lookups on a thread while the
+previous batch trains: ``picasso.pipeline``), the ids to the owners, the rows back and the
+``1 - CostModel.row_wise_step_share`` of the per-id cost done there leave the step: only the
+gradients to the owners (``(W-1)/W u 4D``) and the rest of the per-id cost stay on it.
 ``u`` is the expected number of distinct rows among ``n = batch size x ids per field x fields of the
 table`` ids drawn uniformly, ``R (1 - (1 - 1/R)^n)`` (an upper bound for skewed ids; see
 :func:`expected_unique_ids` for Zipf-skewed ones), unless the caller gives ``u``; ``g`` is then
@@ -39,8 +43,8 @@ The rules, in order (the first that applies decides, and is the plan's *why*):
    small or hot table: the whole of it moves either way, and a replica keeps lookups local).
 
 Then, for the plan as a whole: row-wise tables cost a fixed ``CostModel.latency_s`` per collective
-(one exchange of counts, three per pack: ids, rows, gradients), paid before the dense forward can
-run; when no table *must* be row-wise (rules 1 and 3) and the tables chosen by rule 4 save less than
+(one exchange of counts, three per pack: ids, rows, gradients; pipelined: the gradients' only), paid
+on the step; when no table *must* be row-wise (rules 1 and 3) and the tables chosen by rule 4 save less than
 that together, they go back to data-parallel.
 
 Example::
@@ -82,6 +86,8 @@ class CostModel:
         update_s_per_value: seconds to apply the optimizer to one value of one row (dedup included).
         row_wise_s_per_id: extra seconds per looked-up id on the row-wise path (owner routing, dedup,
             local pooling and their backward, against the fused data-parallel lookup).
+        row_wise_step_share: with the sparse-dist pipeline, the share of ``row_wise_s_per_id`` still
+            on the step (the local pooling and its backward; routing and dedup run on its thread).
         latency_s: fixed seconds of one collective (paid per exchange, whatever its size).
         min_saving_s: a table goes row-wise by cost only when that saves more than this per step.
         max_replicated_bytes: a table whose replicated copy (weights and optimizer state) is larger
@@ -99,6 +105,7 @@ class CostModel:
     bandwidth_bytes_per_s: float = 1.0e9
     update_s_per_value: float = 1.0e-8
     row_wise_s_per_id: float = 2.0e-7
+    row_wise_step_share: float = 0.5
     latency_s: float = 1.0e-4
     min_saving_s: float = 2.0e-5
     max_replicated_bytes: int = 1 << 30
@@ -267,7 +274,8 @@ def resolve_overrides(overrides: Mapping[str, str], specs: Sequence[TableSpec],
 
 def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int, ids_per_field: float = 1.0,
                 unique_ids: Optional[Mapping[str, float]] = None,
-                overrides: Optional[Mapping[str, str]] = None, cost: CostModel = CostModel()) -> ShardingPlan:
+                overrides: Optional[Mapping[str, str]] = None, cost: CostModel = CostModel(),
+                pipelined: bool = False) -> ShardingPlan:
     """Place each table data-parallel or row-wise by the cost model (module docstring), overrides first.
 
     Args:
@@ -279,6 +287,7 @@ def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int,
             uniform estimate (e.g. counted over a few batches of the real data).
         overrides: table name -> placement (already resolved, see :func:`resolve_overrides`).
         cost: the model's constants.
+        pipelined: the row-wise lookups are prepared ahead by the sparse-dist pipeline (module docstring).
 
     Example::
 
@@ -315,8 +324,9 @@ def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int,
         g = _global_unique(R, u, W)
         seconds = {
             "data_parallel": (W - 1) * u * 4 * (D + 2) / cost.bandwidth_bytes_per_s + g * D * cost.update_s_per_value,
-            "row_wise": (W - 1) / W * u * (8 + 8 * D) / cost.bandwidth_bytes_per_s
-            + g / W * D * cost.update_s_per_value + draws * cost.row_wise_s_per_id,
+            "row_wise": (W - 1) / W * u * (4 * D if pipelined else 8 + 8 * D) / cost.bandwidth_bytes_per_s
+            + g / W * D * cost.update_s_per_value
+            + draws * cost.row_wise_s_per_id * (cost.row_wise_step_share if pipelined else 1.0),
         }
         row = _row_bytes(spec)
         memory = {"data_parallel": R * row, "row_wise": -(-R // W) * row}
@@ -347,7 +357,7 @@ def plan_tables(specs: Sequence[TableSpec], *, world_size: int, batch_size: int,
     if by_cost and not forced_row_wise:
         packs = len({(s.embedding_dim, s.optimizer, s.dtype) for s in specs if s.name in
                      {choices[i].name for i in by_cost}})
-        fixed = (1 + 3 * packs) * cost.latency_s
+        fixed = (packs if pipelined else 1 + 3 * packs) * cost.latency_s  # pipelined: the gradients' exchange only
         total = sum(choices[i].seconds["data_parallel"] - choices[i].seconds["row_wise"] for i in by_cost)
         if total < fixed:
             for i in by_cost:

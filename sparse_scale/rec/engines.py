@@ -306,6 +306,18 @@ def row_cache_config(job: RecJob) -> Any:
     return cache if cache is not None and cache.store == "ps" else None
 
 
+def _stream_reads_ahead(loaded: Any) -> Any:
+    """``loaded`` without ``picasso.interleave.prefetch_batches`` for ``initialize``: the job's stream reads ahead
+    itself (``initialize`` would wrap a loader it is not given and warn that none was)."""
+    from sparse_scale.entry import with_block
+
+    block = loaded.blocks.get("picasso")
+    if block is None or block.interleave.prefetch_batches == 0:
+        return loaded
+    interleave = block.interleave.model_copy(update={"prefetch_batches": 0})
+    return with_block(loaded, "picasso", block.model_copy(update={"interleave": interleave}))
+
+
 def build_engine(job: RecJob, model: torch.nn.Module, ctx: DistContext) -> RecEngine | ServedJob:
     """The engine for the job's mode from ``sparse_scale.initialize`` (a gba block: a worker's, or a served job).
 
@@ -314,7 +326,7 @@ def build_engine(job: RecJob, model: torch.nn.Module, ctx: DistContext) -> RecEn
     import sparse_scale
     from sparse_scale.entry import with_block
 
-    loaded = dataclasses.replace(job.config.loaded, ds=job.ds)  # the scheduler's length follows --steps
+    loaded = _stream_reads_ahead(dataclasses.replace(job.config.loaded, ds=job.ds))  # scheduler length: --steps
     if job.gba is None:
         engine, *_ = sparse_scale.initialize(model=model, config=loaded, threads=job.config.threads)
         return DeepSpeedRecEngine(engine)

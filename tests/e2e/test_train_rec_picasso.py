@@ -48,6 +48,12 @@ def _run(rank: int, world_size: int, argv: list[str]) -> dict:
         built["source"], built["stream"] = stream, original_prefetched(stream, depth, rank)
         return built["stream"]
 
+    import logging
+
+    warned: list[str] = []  # the entry point's warnings (a prefetching job must not be told it gave no data)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("sparse_scale.entry").addHandler(handler)
     train_rec.build_model = build_model
     data.prefetched = prefetched
     try:
@@ -55,13 +61,14 @@ def _run(rank: int, world_size: int, argv: list[str]) -> dict:
     finally:
         train_rec.build_model = original
         data.prefetched = original_prefetched
+        logging.getLogger("sparse_scale.entry").removeHandler(handler)
     state = {k: v.detach().numpy().copy() for k, v in built["model"].state_dict().items()}
     keep = ("auc", "log_loss", "steps", "samples", "checkpoint", "picasso")
     stream = built["stream"]
     data = {"prefetched": type(stream).__name__ == "Prefetcher", "state": stream.state(),
             "source_state": built["source"].state(), "consumed": getattr(stream, "consumed", None),
             "thread_alive": stream._thread.is_alive() if hasattr(stream, "_thread") else None}
-    return {"summary": {k: summary.get(k) for k in keep}, "state": state, "data": data}
+    return {"summary": {k: summary.get(k) for k in keep}, "state": state, "data": data, "warned": warned}
 
 
 def _config(path: Path, picasso: dict, **overrides) -> str:
@@ -163,6 +170,7 @@ def test_prefetch_on_and_off_give_identical_weights(tmp_path):
                                      timeout_s=55, init_process_group=False)
     off, on = runs["off"], runs["on"]
     assert not off[0]["data"]["prefetched"] and on[0]["data"]["prefetched"] and on[1]["data"]["prefetched"]
+    assert not [m for r in on for m in r["warned"] if "training_data" in m], on[0]["warned"]  # it reads ahead itself
     for rank in (0, 1):
         d = on[rank]["data"]
         # 8 micro-batches consumed; the checkpointed position is theirs (rank r took global batches r, r+2, ...)

@@ -59,6 +59,33 @@ def test_cost_decides_between_them_and_the_fixed_exchange_cost_can_veto_it():
     assert vetoed.choice("t") == "data_parallel" and "fixed cost" in vetoed.tables[0].why
 
 
+def test_the_pipeline_takes_the_row_wise_forward_exchange_off_the_step():
+    # DLRM's shape: 26 tables x 100,000 rows, 256 ids per rank and table; the pipeline prepares the lookups ahead
+    specs = [TableSpec(f"t{i}", 100_000, 16) for i in range(26)]
+    plain = plan_tables(specs, world_size=2, batch_size=256)
+    piped = plan_tables(specs, world_size=2, batch_size=256, pipelined=True)
+    assert plain.uniform == "data_parallel" and piped.uniform == "row_wise"
+    a, b = plain.tables[0].seconds, piped.tables[0].seconds
+    assert a["data_parallel"] == b["data_parallel"] and b["row_wise"] < a["row_wise"]
+    # a hot table stays replicated either way: a replica keeps its lookups local
+    hot = plan_tables([TableSpec("hot", 40, 16)], world_size=2, batch_size=256, pipelined=True)
+    assert hot.choice("hot") == "data_parallel" and "hot" in hot.tables[0].why
+
+
+def test_the_block_plans_pipelined_unless_the_pipeline_is_off_or_cannot_run():
+    from picasso_ops.models.field_embeddings import SparseArgs
+    from sparse_scale.planned_tables import planned_field_embeddings
+
+    def placed(**block):
+        make = planned_field_embeddings(PicassoConfig(sharding="auto", **block), world_size=2, batch_size=256)
+        emb = make([20_000] * 8, 16, "sum", SparseArgs(), 0.01, "emb")
+        return type(emb.collection).__name__
+
+    assert placed() == "RowShardedEmbeddingCollection"
+    assert placed(pipeline="off") == "DataParallelEmbeddingCollection"
+    assert placed(interleave={"micro_batches": 2}) == "DataParallelEmbeddingCollection"
+
+
 def test_a_callers_unique_id_estimate_replaces_the_uniform_one():
     spec = TableSpec("t", 100_000, 64, optimizer="rowwise_adagrad")
     assert plan_tables([spec], world_size=4, batch_size=4096, cost=CostModel(latency_s=1e-6)).choice("t") == "row_wise"
