@@ -35,7 +35,20 @@ def guarded_rank(rank: int, world_size: int, argv: list[str], agree_every: int) 
     import sparse_scale.divergence as divergence
 
     divergence.AGREE_EVERY = agree_every  # read when the loop builds its guard
-    return system.train_rec_rank(rank, world_size, argv)
+    spent = {"end_step": 0.0, "calls": 0}
+    real = divergence.DivergenceGuard.end_step
+
+    def timed(self: Any, step: int, ds_engine: Any) -> None:  # the loop's wait in the guard, all_reduce included
+        t = time.perf_counter()
+        try:
+            real(self, step, ds_engine)
+        finally:
+            spent["end_step"] += time.perf_counter() - t
+            spent["calls"] += 1
+
+    divergence.DivergenceGuard.end_step = timed  # this rank's process only
+    summary = system.train_rec_rank(rank, world_size, argv)
+    return summary | {"guard_ms_per_step": 1e3 * spent["end_step"] / max(spent["calls"], 1)}
 
 
 def one_run(workdir: Path, slug: str, cfg: dict[str, Any], shape: system.Shape, agree_every: int) -> dict[str, Any]:
@@ -53,13 +66,16 @@ def one_run(workdir: Path, slug: str, cfg: dict[str, Any], shape: system.Shape, 
                                 init_process_group=False)
     finally:
         system.remove_leaked_shm(started)
-    return {"samples_per_s": ranks[0]["samples_per_s"], "auc": ranks[0]["auc"]}
+    return {"samples_per_s": ranks[0]["samples_per_s"], "auc": ranks[0]["auc"],
+            "guard_ms": max(r["guard_ms_per_step"] for r in ranks)}
 
 
 def table(runs: Sequence[dict[str, Any]], everies: Sequence[int]) -> str:
     """Markdown: every run in order, then per setting the median and range, and the paired ratio to every step."""
-    lines = ["| run | agree every | samples/s | AUC |", "|---|---|---|---|"]
-    lines += [f"| {i + 1} | {r['every']} | {r['samples_per_s']:.0f} | {r['auc']:.4f} |" for i, r in enumerate(runs)]
+    lines = ["| run | agree every | samples/s | AUC | ms per step in guard.end_step (slower rank) |", "|---|---|---|---|---|"]
+    lines += [f"| {i + 1} | {r['every']} | {r['samples_per_s']:.0f} | {r['auc']:.4f} | "
+              f"{r['guard_ms']:.3f} |" if "guard_ms" in r else
+              f"| {i + 1} | {r['every']} | {r['samples_per_s']:.0f} | {r['auc']:.4f} | - |" for i, r in enumerate(runs)]
     lines += ["", "| agree every | runs | samples/s, median (range) | x every step, paired by repetition (range) |",
               "|---|---|---|---|"]
     base = [r["samples_per_s"] for r in runs if r["every"] == everies[0]]
@@ -107,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 got = one_run(Path(tmp), f"every{every}_{rep}", cfg, shape, every)
                 runs.append({"every": every, "rep": rep, **got})
                 print(f"rep {rep + 1}, agree every {every}: {got['samples_per_s']:.0f} samples/s, "
-                      f"AUC {got['auc']:.4f}; load {os.getloadavg()[0]:.2f}", flush=True)
+                      f"AUC {got['auc']:.4f}, {got['guard_ms']:.3f} ms/step in the guard; "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
     body = table(runs, args.every)
     print(body, flush=True)
     if args.write:

@@ -120,8 +120,8 @@ class DivergenceGuard:
             raise ValueError(f"DivergenceGuard(agree_every={agree_every!r}): must be an int >= 1")
         self.agree_every = agree_every
         self._first_bad: tuple[int, float] | None = None  # (step, value) of this rank's first non-finite loss
-        self._detected: tuple[float, float, int, int] | None = None  # this rank's first explosion: median, bar,
-        # onset, step seen
+        # this rank's first explosion: (median, bar, onset, the step it was seen)
+        self._detected: tuple[float, float, int, int] | None = None
         self.max_skipped_steps, self.group, self.lockstep, self.what = max_skipped_steps, group, lockstep, what
         self.skipped_in_a_row, self._skipped_before, self._bad_loss = 0, 0, None
         self.last_checkpoint = last_checkpoint  # named in the error as the one to resume from; None: none yet
