@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import system  # noqa: E402  benchmarks/system.py: the rivals' shapes, variants and one train_rec run
+import system  # benchmarks/system.py, beside this script: the rivals' shapes, variants and one train_rec run
 
 SECTION = "## The divergence guard's all-reduce: every step against every AGREE_EVERY steps"
 

@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _guard_sync() -> ModuleType:
+    if str(ROOT / "benchmarks") not in sys.path:  # the script imports system.py beside it, as when it runs
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_guard_sync", ROOT / "benchmarks" / "guard_sync.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
