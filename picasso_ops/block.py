@@ -163,7 +163,7 @@ def cached_field_embeddings(block: PicassoConfig, *, workdir: Optional[Path] = N
 
     def make(vocab_sizes, dim, pooling, sparse, init_std, prefix) -> CachedFieldEmbeddings:
         name = _STORE_NAMES.get(prefix, prefix)
-        check_cache_config(cache, {name: sum(int(v) for v in vocab_sizes)}, sharding=block.sharding)
+        check_cache_config(cache, {name: sum(int(v) for v in vocab_sizes)}, sharding=block.table_placement)
         return CachedFieldEmbeddings.from_init(
             vocab_sizes, dim, pooling, sparse, init_std, prefix, capacity=cache.rows, policy=cache.policy,
             prefetch=cache.prefetch, store_factory=_store_factory(cache, name, workdir, rank),
@@ -198,7 +198,7 @@ def apply_picasso_block(model: nn.Module, block: PicassoConfig, *, workdir: Opti
         if not children and not built:
             raise PicassoBlockError(f"picasso.cache: {type(model).__name__} has no packed field embeddings to cache")
         rows = {**built, **{name: sum(s.num_embeddings for s in m.collection.specs) for name, m in children}}
-        check_cache_config(cache, rows, sharding=block.sharding)
+        check_cache_config(cache, rows, sharding=block.table_placement)
         replacements: dict[str, nn.Module] = {}
         for name, packed in children:
             if not isinstance(packed.collection, DataParallelEmbeddingCollection):
@@ -249,7 +249,7 @@ def set_bounds_check(model: nn.Module, block: PicassoConfig) -> int:
         >>> set_bounds_check(nn.Linear(2, 2), PicassoConfig())
         0
     """
-    if block.bounds_check != "fatal" and (block.cache is not None or block.sharding != "data_parallel"):
+    if block.bounds_check != "fatal" and (block.cache is not None or block.table_placement != "data_parallel"):
         where = "picasso.cache" if block.cache is not None else f'picasso.sharding = "{block.sharding}"'
         raise PicassoBlockError(
             f'picasso.bounds_check = "{block.bounds_check}" with {where}: out-of-range ids are replaced in the '

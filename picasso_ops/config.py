@@ -107,10 +107,12 @@ class PicassoConfig(StrictBlock):
                           "dim) into one buffer with one fused lookup and one fused backward + update per pack; "
                           "false: one pack per table (same results, more kernel calls).")
     sharding: Literal["data_parallel", "row_wise", "auto"] = Field(
-        "data_parallel", description='How tables span ranks: "data_parallel" replicates every table on every rank, '
-                                     '"row_wise" spreads each table\'s rows over the ranks (no cache then), "auto" '
-                                     'lets the planner choose per table from its size and the batch\'s expected '
-                                     'unique ids (picasso_ops.distributed.planner; the plan is logged at start).')
+        "auto", description='How tables span ranks: "data_parallel" replicates every table on every rank, '
+                            '"row_wise" spreads each table\'s rows over the ranks (no cache then), "auto" (default) '
+                            'lets the planner choose per table from its size and the batch\'s expected unique ids '
+                            '(picasso_ops.distributed.planner; the plan is logged at start; small and hot tables '
+                            'stay data-parallel); with a cache or bounds_check "warn"/"clamp", "auto" keeps every '
+                            'table data-parallel.')
     table_sharding: dict[str, Literal["data_parallel", "row_wise"]] = Field(
         {}, description='With sharding "auto": placements that win over the planner\'s, keyed by table name (e.g. '
                         '"emb3") or field index ("3": every table of field 3), each "data_parallel" or "row_wise".')
@@ -142,6 +144,24 @@ class PicassoConfig(StrictBlock):
                              'row, both logged once per table and counted in the summary (data-parallel tables '
                              'without a cache or gba block only).')
 
+    @property
+    def planned(self) -> bool:
+        """Whether the sharding planner places the tables: ``"auto"`` without a cache or a non-fatal bounds check."""
+        return self.sharding == "auto" and self.cache is None and self.bounds_check == "fatal"
+
+    @property
+    def table_placement(self) -> Literal["data_parallel", "row_wise", "auto"]:
+        """``sharding`` as it applies: ``"auto"`` only where :attr:`planned`, else its data-parallel fallback.
+
+        Example::
+
+            >>> PicassoConfig().table_placement, PicassoConfig(cache={"rows": 10}).table_placement
+            ('auto', 'data_parallel')
+        """
+        if self.sharding == "auto" and not self.planned:
+            return "data_parallel"
+        return self.sharding
+
     @model_validator(mode="after")
     def _table_sharding_needs_auto(self) -> "PicassoConfig":
         """table_sharding needs sharding "auto"; its keys are table names or field indices (no ".", no spaces)."""
@@ -149,6 +169,11 @@ class PicassoConfig(StrictBlock):
             keys = sorted(self.table_sharding)
             raise ValueError(f'table_sharding {keys} applies with sharding "auto" only; sharding is '
                              f'"{self.sharding}" (set "sharding": "auto" or drop table_sharding)')
+        if self.table_sharding and not self.planned:
+            keys = sorted(self.table_sharding)
+            why = "a cache" if self.cache is not None else f'bounds_check "{self.bounds_check}"'
+            raise ValueError(f"table_sharding {keys}: with {why} every table stays data-parallel (drop table_sharding, "
+                             "or the cache / use bounds_check \"fatal\")")
         bad = [k for k in self.table_sharding if not k or "." in k or k != k.strip()]
         if bad:
             raise ValueError(f"table_sharding keys must be table names or field indices, got {bad}")

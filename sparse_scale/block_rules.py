@@ -59,7 +59,7 @@ def bounds_check_obstacle(blocks: dict[str, Any]) -> str | None:
         return "a gba block (the tables live on the parameter servers, which check ids and stop at a bad one)"
     if p.cache is not None:
         return "picasso.cache (the cache maps ids to its slots on its own path, which stops at a bad id)"
-    if p.sharding != "data_parallel":
+    if p.table_placement != "data_parallel":
         return f'picasso.sharding "{p.sharding}" (row-wise tables route ids to their owners and stop at a bad one)'
     return None
 

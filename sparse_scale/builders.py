@@ -112,11 +112,11 @@ def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig,
 
     sparse = SparseArgs.from_block(block)
     if block.cache is not None:
-        if block.sharding != "data_parallel":
+        if block.table_placement != "data_parallel":
             raise ValueError(f"{job.source}: picasso.cache serves data-parallel tables; sharding is {block.sharding!r}")
         make = cached_field_embeddings(block, workdir=Path(workdir) if workdir is not None else None, rank=rank)
         module: nn.Module = make(sizes, dim, pooling, sparse, init_std, prefix)
-    elif block.sharding == "auto":
+    elif block.table_placement == "auto" and (_has_batch_size(job) or "sharding" in block.model_fields_set):
         from sparse_scale.planned_tables import planned_field_embeddings
 
         make = planned_field_embeddings(block, world_size=world_size, batch_size=_micro_batch(job, world_size),
@@ -126,10 +126,15 @@ def tables_from_block(config: str | os.PathLike | Mapping[str, Any] | JobConfig,
             module = make(sizes, dim, pooling, sparse, init_std, prefix)
         except ValueError as exc:  # an override key that names no table
             raise ConfigError(f"{job.source}: {exc}") from None
-    else:
+    else:  # the default "auto" without a batch size to plan from: every table data-parallel (SparseArgs' own)
         module = PackedFieldEmbeddings(sizes, dim, pooling, sparse, init_std, prefix)
     set_bounds_check(module, block)
     return module
+
+
+def _has_batch_size(job: JobConfig) -> bool:
+    """Whether the config gives the batch size the planner needs (the default "auto" without one: data-parallel)."""
+    return bool(job.ds.get("train_micro_batch_size_per_gpu") or job.ds.get("train_batch_size"))
 
 
 def _micro_batch(job: JobConfig, world_size: int) -> int:

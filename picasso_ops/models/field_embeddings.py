@@ -98,7 +98,9 @@ class SparseArgs:
 
         opt = block.optimizer
         params = {k: float(getattr(opt, k)) for k in OPTIMIZERS[opt.type].defaults}
-        return cls(optimizer=opt.type, optimizer_params=params, packing=block.packing, sharding=block.sharding)
+        placement = block.table_placement  # "auto": the planner places each table itself (data-parallel otherwise)
+        return cls(optimizer=opt.type, optimizer_params=params, packing=block.packing,
+                   sharding="data_parallel" if placement == "auto" else placement)
 
 
 class PackedFieldEmbeddings(nn.Module):

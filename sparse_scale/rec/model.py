@@ -62,11 +62,11 @@ def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
     if job.rank == 0:
         logger.info("picasso model (%s): packing=%s dim=%d sparse optimizer %s %s (lr schedule: %s), %s tables",
                     job.config.model, block.packing, block.embedding_dim, sparse.optimizer,
-                    dict(sparse.optimizer_params), block.optimizer.lr_schedule, sparse.sharding)
+                    dict(sparse.optimizer_params), block.optimizer.lr_schedule, block.table_placement)
     try:
         # mmap cache stores live beside the checkpoints; one file per rank (every rank holds every row)
         workdir = Path(job.config.out)
-        if job.config.model == "dlrm" and block.sharding == "auto":  # tables placed by the sharding planner
+        if job.config.model == "dlrm" and block.table_placement == "auto":  # tables placed by the sharding planner
             from picasso_ops.models import DLRM
 
             emb = _planned_tables(job, block)(args.vocab_sizes, args.embedding_dim, args.pooling, sparse, 0.01, "emb")
@@ -75,9 +75,9 @@ def _packed_model(job: RecJob, block: Any) -> torch.nn.Module:
             model = packed_dlrm(args, sparse, **tower_kwargs(job))
         else:
             factory = None
-            if block.cache is not None and block.sharding == "data_parallel":  # tables straight into the store
+            if block.cache is not None and block.table_placement == "data_parallel":  # tables straight into the store
                 factory = cached_field_embeddings(block, workdir=workdir, rank=job.rank)
-            elif block.sharding == "auto":
+            elif block.table_placement == "auto":
                 factory = _planned_tables(job, block)
             build = {"wide_deep": packed_wide_and_deep, "deepfm": packed_deepfm,
                      "dcn_v2": packed_dcn_v2}[job.config.model]

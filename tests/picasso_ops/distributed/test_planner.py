@@ -128,7 +128,12 @@ def test_the_block_validates_table_sharding_once_naming_the_key():
     with pytest.raises(ValueError, match=r"table_sharding\.emb3\n  Input should be 'data_parallel' or 'row_wise'"):
         PicassoConfig.model_validate({"sharding": "auto", "table_sharding": {"emb3": "rowwise"}})
     with pytest.raises(ValueError, match='applies with sharding "auto" only'):
-        PicassoConfig.model_validate({"table_sharding": {"3": "row_wise"}})
+        PicassoConfig.model_validate({"sharding": "data_parallel", "table_sharding": {"3": "row_wise"}})
+    assert PicassoConfig.model_validate({"table_sharding": {"3": "row_wise"}}).planned  # "auto" is the default
+    with pytest.raises(ValueError, match="with a cache every table stays data-parallel"):
+        PicassoConfig.model_validate({"table_sharding": {"3": "row_wise"}, "cache": {"rows": 10}})
+    with pytest.raises(ValueError, match='with bounds_check "clamp" every table stays data-parallel'):
+        PicassoConfig.model_validate({"table_sharding": {"3": "row_wise"}, "bounds_check": "clamp"})
     with pytest.raises(sparse_scale.ConfigError, match=r"picasso.table_sharding.emb9: no table is named 'emb9'"):
         sparse_scale.tables_from_block(ds_config(picasso={**PICASSO, "sharding": "auto",
                                                           "table_sharding": {"emb9": "row_wise"}}), [10, 20])
