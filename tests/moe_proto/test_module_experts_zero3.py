@@ -20,6 +20,7 @@ from moe_proto import moe_class
 from moe_proto.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from moe_proto.module_experts import ModuleExperts
 from sparse_scale.multiproc import run_distributed
+from tests.moe_proto.engines import adamw_engine
 from tests.moe_proto.test_any_expert import GatedBlock  # LayerNorm -> SwiGLU, D=8: the per-expert path
 
 D, E, B, STEPS = 8, 4, 12, 3
@@ -56,16 +57,11 @@ def batch(step, rank):
 
 
 def engine_of(ep, stage, state):
-    import deepspeed
-
     model = Net(ep, stage)
     assert isinstance(model.moe.experts, ModuleExperts)
     model.moe.set_deepspeed_parallelism()
     load_full_state_dict(model, state)
-    config = {"train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    return engine
+    return adamw_engine(model, stage=stage, lr=1e-2, batch_size=B)
 
 
 def step(engine, i, rank):

@@ -34,6 +34,7 @@ from moe_proto import moe_class
 from moe_proto.checkpoint import (expert_buffers, expert_files, full_state_dict, load_checkpoint, load_full_state_dict,
                                   save_checkpoint)
 from sparse_scale.multiproc import run_distributed
+from tests.moe_proto.engines import adamw_engine
 
 D, B, WORLD, LR = 8, 16, 2, 1e-2
 PYRAMID = (2, 4)  # num_experts of layer 0 (per-expert modules) and layer 1 (stacked)
@@ -100,16 +101,11 @@ def batch(step, rank):
 
 
 def engine_of(eps, stage, state, num_experts=PYRAMID, buffered=False):
-    import deepspeed
-
     model = Pyramid(eps, stage, num_experts, buffered)
     for layer in model.moes:
         layer.set_deepspeed_parallelism()
     load_full_state_dict(model, state)
-    config = {"train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    return engine
+    return adamw_engine(model, stage=stage, lr=LR, batch_size=B)
 
 
 def step(engine, i, rank):
