@@ -79,12 +79,12 @@ class PlannedFieldEmbeddings(PackedFieldEmbeddings):
 
 def planned_field_embeddings(block: Any, *, world_size: int, batch_size: int, rank: int = 0,
                              ids_per_field: float = 1.0, unique_ids: Optional[Mapping[str, float]] = None,
-                             prefixes: Sequence[str] = ("emb",), cost: CostModel = CostModel()) -> FieldTablesFactory:
+                             prefixes: Sequence[str] = ("emb",), cost: CostModel = CostModel(),
+                             pipelined: bool = False) -> FieldTablesFactory:
     """A ``PackedFieldEmbeddings``-like factory that places each table by the planner (and the block's overrides).
 
     Args:
-        block: a validated ``picasso`` block (``sharding`` ``"auto"``; its ``table_sharding`` overrides; its
-            ``pipeline``: the row-wise lookups are planned as pipelined unless it is ``"off"`` or cannot run).
+        block: a validated ``picasso`` block (``sharding`` ``"auto"``; its ``table_sharding`` overrides).
         world_size: ranks the tables span.
         batch_size: samples per rank per step (the micro-batch).
         rank: this process's rank (the plan is logged on rank 0).
@@ -93,6 +93,8 @@ def planned_field_embeddings(block: Any, *, world_size: int, batch_size: int, ra
         prefixes: the table prefixes the caller will build with this factory (``table_sharding`` keys
             must name one of their tables or a field index).
         cost: the planner's constants.
+        pipelined: plan the row-wise lookups as prepared ahead by the sparse-dist pipeline (the rec job's
+            loop, where ``picasso.pipeline`` lets it run); False: on the step.
 
     Example::
 
@@ -101,8 +103,6 @@ def planned_field_embeddings(block: Any, *, world_size: int, batch_size: int, ra
     """
     overrides = dict(block.table_sharding)
     unique = dict(unique_ids or {})
-    # the plan counts on the sparse-dist pipeline where the block lets it run (the rec job's loop, engine.pipeline)
-    pipelined = block.pipeline != "off" and block.interleave.micro_batches == 1 and block.cache is None
 
     def make(vocab_sizes: Sequence[int], dim: int, pooling: str, sparse: SparseArgs, init_std: Optional[float],
              prefix: str) -> nn.Module:

@@ -104,8 +104,11 @@ def _planned_tables(job: RecJob, block: Any) -> Any:
         for f, (rows, hi) in enumerate(zip(syn.field_vocab_sizes(), tops)):
             draws = job.micro_batch * (syn.min_ids_per_field + hi) / 2
             unique[f"emb{f}"] = unique[f"wide{f}"] = expected_unique_ids(rows, draws, zipf_exponent=syn.zipf_exponent)
+    # the job's loop runs the sparse-dist pipeline where the block lets it (sparse_scale.rec.loop.sparse_pipeline)
+    pipelined = (block.pipeline != "off" and block.interleave.micro_batches == 1 and block.cache is None
+                 and job.gba is None)
     return planned_field_embeddings(block, world_size=job.workers, batch_size=job.micro_batch, rank=job.rank,
-                                    ids_per_field=1.0, unique_ids=unique, prefixes=("emb", "wide"))
+                                    ids_per_field=1.0, unique_ids=unique, prefixes=("emb", "wide"), pipelined=pipelined)
 
 
 def build_model(job: RecJob) -> torch.nn.Module:

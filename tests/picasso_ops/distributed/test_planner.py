@@ -72,18 +72,17 @@ def test_the_pipeline_takes_the_row_wise_forward_exchange_off_the_step():
     assert hot.choice("hot") == "data_parallel" and "hot" in hot.tables[0].why
 
 
-def test_the_block_plans_pipelined_unless_the_pipeline_is_off_or_cannot_run():
+def test_the_rec_job_plans_pipelined_and_an_own_script_on_the_step():
     from picasso_ops.models.field_embeddings import SparseArgs
     from sparse_scale.planned_tables import planned_field_embeddings
 
-    def placed(**block):
-        make = planned_field_embeddings(PicassoConfig(sharding="auto", **block), world_size=2, batch_size=256)
+    def placed(pipelined: bool) -> str:
+        make = planned_field_embeddings(PicassoConfig(), world_size=2, batch_size=256, pipelined=pipelined)
         emb = make([20_000] * 8, 16, "sum", SparseArgs(), 0.01, "emb")
         return type(emb.collection).__name__
 
-    assert placed() == "RowShardedEmbeddingCollection"
-    assert placed(pipeline="off") == "DataParallelEmbeddingCollection"
-    assert placed(interleave={"micro_batches": 2}) == "DataParallelEmbeddingCollection"
+    assert placed(pipelined=True) == "RowShardedEmbeddingCollection"  # the rec job's loop runs the pipeline
+    assert placed(pipelined=False) == "DataParallelEmbeddingCollection"  # tables_from_block: lookups on the step
 
 
 def test_a_callers_unique_id_estimate_replaces_the_uniform_one():
