@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-DIM, BATCH, MAX_IDS, ZIPF, DENSE = 16, 256, 3, 1.1, 13
+from planner import BATCH, DIM, MAX_IDS, ZIPF, report, zipf_ids  # benchmarks/planner.py beside it: the same ids
+
+DENSE = 13
 VARIANTS = ("row_wise", "off", "data_parallel")  # picasso.pipeline on / off (row-wise tables); replicated tables
 WARMUP = 5
 
@@ -38,8 +35,7 @@ def _batches(steps: int, rank: int, fields: int, rows: int) -> Iterator[tuple[An
     for step in range(steps):
         g = torch.Generator().manual_seed(1_000_003 * step + rank)
         lengths = torch.randint(1, MAX_IDS + 1, (fields, BATCH), generator=g)
-        u = torch.rand(int(lengths.sum()), generator=g, dtype=torch.float64)
-        values = (((1 - u) ** (-1.0 / (ZIPF - 1.0))).clamp(max=rows).long() - 1).clamp(0, rows - 1)
+        values = zipf_ids(int(lengths.sum()), rows, g)
         dense = torch.randn(BATCH, DENSE, generator=g)
         yield dense, values, lengths, (dense[:, 0] > 0).float()
 
@@ -135,24 +131,14 @@ def main() -> None:
             f"{statistics.median(dp):.2f}x ({dp[0]:.2f}-{dp[-1]:.2f}) | {ahead} | "
             f"{'equal' if same else 'DIFFER'} |")
         print(lines[-1], flush=True)
-    load_after = os.getloadavg()
-    command = ".venv/bin/python benchmarks/own_pipeline.py " + shlex.join(sys.argv[1:])
-    text = "\n".join([
-        f"\n## engine.pipeline in an own loop: on against off ({started})\n",
-        f"Command: `{command.strip()}`; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"2 gloo ranks x 1 torch thread; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after. "
-        f"Row-wise tables, dim {DIM}, batch {BATCH} per rank, 1-{MAX_IDS} Zipf({ZIPF}) ids per field, the user's "
-        f"DLRM-like loop (module docstring); {args.rounds} rounds of {args.steps} timed steps after {WARMUP}, "
-        "variants alternated; samples/s median (range over rounds), the slower rank; ratio paired per round.\n",
-        "| F x rows | row-wise, engine.pipeline on | row-wise, off | data-parallel | on / off, paired | "
-        "row-wise off / data-parallel, paired | batches read ahead (on) | last loss on = off |",
-        "|---|---|---|---|---|---|---|---|",
-        *lines, ""])
-    print(text)
-    if not args.no_write:
-        with RESULTS.open("a") as f:
-            f.write(text)
-
+    report(f"engine.pipeline in an own loop: on against off ({started})", "own_pipeline.py", load_before,
+           f"2 gloo ranks x 1 torch thread. Row-wise tables, dim {DIM}, batch {BATCH} per rank, 1-{MAX_IDS} "
+           f"Zipf({ZIPF}) ids per field, the user's DLRM-like loop (module docstring); {args.rounds} rounds of "
+           f"{args.steps} timed steps after {WARMUP}, variants alternated; samples/s median (range over rounds), the "
+           "slower rank; ratio paired per round.",
+           ["F x rows", "row-wise, engine.pipeline on", "row-wise, off", "data-parallel", "on / off, paired",
+            "row-wise off / data-parallel, paired", "batches read ahead (on)", "last loss on = off"], lines,
+           write=not args.no_write)
 
 if __name__ == "__main__":
     main()

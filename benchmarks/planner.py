@@ -32,6 +32,14 @@ DIM, BATCH, MAX_IDS, ZIPF = 16, 256, 3, 1.1
 VARIANTS = ("data_parallel", "row_wise", "auto")
 
 
+def zipf_ids(n: int, rows: int, generator: Any) -> Any:
+    """``n`` Zipf(``ZIPF``) row ids in ``[0, rows)``: inverse transform of the continuous approximation, clipped."""
+    import torch
+
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    return (((1 - u) ** (-1.0 / (ZIPF - 1.0))).clamp(max=rows).long() - 1).clamp(0, rows - 1)
+
+
 def _batch(step: int, rank: int, fields: int, rows: int) -> Any:
     import torch
 
@@ -39,11 +47,8 @@ def _batch(step: int, rank: int, fields: int, rows: int) -> Any:
 
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
     lengths = torch.randint(1, MAX_IDS + 1, (fields, BATCH), generator=g)
-    n = int(lengths.sum())
-    # Zipf(s) ranks by inverse transform of the continuous approximation, clipped to the table
-    u = torch.rand(n, generator=g, dtype=torch.float64)
-    ids = ((1 - u) ** (-1.0 / (ZIPF - 1.0))).clamp(max=rows).long() - 1
-    return JaggedBatch(tuple(f"f{i}" for i in range(fields)), ids.clamp(0, rows - 1), lengths, validate=False)
+    ids = zipf_ids(int(lengths.sum()), rows, g)
+    return JaggedBatch(tuple(f"f{i}" for i in range(fields)), ids, lengths, validate=False)
 
 
 def _collection(variant: str, fields: int, rows: int, world: int) -> tuple[Any, Any]:
@@ -121,23 +126,28 @@ def main() -> None:
             f"{med['data_parallel'] / med['row_wise']:.2f}x |")
         print(line, flush=True)
         rows_out.append(line)
-    load_after = os.getloadavg()
-    command = ".venv/bin/python benchmarks/planner.py " + shlex.join(sys.argv[1:])
+    report(f"Sharding planner: tables alone, data-parallel vs row-wise vs auto ({started})", "planner.py", load_before,
+           "2 gloo ranks x 1 thread. Dim 16, batch 256 per rank, 1-3 "
+           f"Zipf(1.1) ids per field, row-wise Adagrad; forward + backward + sparse step of the tables only; "
+           f"{args.rounds} rounds of {args.steps} steps, variants alternated; ms/step median (range over rounds), the "
+           "slower rank.",
+           ["F x rows", "data_parallel", "row_wise", "auto", "auto's plan (why, first table)",
+            "dp ms / rw ms (> 1: rw faster)"], rows_out, write=not args.no_write)
+
+
+def report(heading: str, script: str, load_before: tuple[float, ...], setup: str, columns: list[str],
+           rows: list[str], *, write: bool) -> None:
+    """Print a RESULTS.md section (heading, the command, machine and load, ``setup``, the table) and append it."""
+    command = f".venv/bin/python benchmarks/{script} " + shlex.join(sys.argv[1:])
     text = "\n".join([
-        f"\n## Sharding planner: tables alone, data-parallel vs row-wise vs auto ({started})\n",
-        f"Command: `{command.strip()}`; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"2 gloo ranks x 1 thread; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-        "(other helpers were running on the machine). Dim 16, batch 256 per rank, 1-3 Zipf(1.1) ids per field, "
-        f"row-wise Adagrad; forward + backward + sparse step of the tables only; {args.rounds} rounds of "
-        f"{args.steps} steps, variants alternated; ms/step median (range over rounds), the slower rank.\n",
-        "| F x rows | data_parallel | row_wise | auto | auto's plan (why, first table) | dp ms / rw ms (> 1: rw faster) |",
-        "|---|---|---|---|---|---|",
-        *rows_out, ""])
+        f"\n## {heading}\n",
+        f"Command: `{command.strip()}`; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; load "
+        f"average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after. {setup}\n",
+        "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows, ""])
     print(text)
-    if not args.no_write:
+    if write:
         with RESULTS.open("a") as f:
             f.write(text)
-
 
 if __name__ == "__main__":
     main()
