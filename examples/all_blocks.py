@@ -92,4 +92,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sparse_scale.shutdown_distributed()  # destroy the process groups before the interpreter exits
+    raise SystemExit(code)

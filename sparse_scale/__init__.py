@@ -23,6 +23,7 @@ _EXPORTS = {
     "ConfigError": "config",
     "load_config": "config",
     "init_distributed": "distenv",
+    "shutdown_distributed": "shutdown",
 }
 
 __all__ = sorted(_EXPORTS)

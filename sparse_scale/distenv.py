@@ -446,21 +446,3 @@ def init_distributed(backend: str | None = "gloo", timeout_s: float = 1800.0,
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
     return spec.context()
-
-
-def shutdown_distributed() -> None:
-    """Destroy this process's process groups at the end of a run that succeeded (entry scripts call it).
-
-    Without it gloo's C++ worker threads can outlive the interpreter's teardown and abort a process
-    whose run had succeeded ("terminate called without an active exception", SIGABRT: a Slurm task
-    in this project's CI, pytorch/pytorch#190489). Not called after a failure: a rank that raised
-    may leave the others inside a collective, and the launcher's kill is the cleaner end there.
-
-    Example::
-
-        summary = run(config); shutdown_distributed()
-    """
-    import torch.distributed as tdist
-
-    if tdist.is_available() and tdist.is_initialized():
-        tdist.destroy_process_group()

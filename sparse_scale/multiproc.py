@@ -130,10 +130,9 @@ def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_time
         results.put((rank, False, traceback.format_exc()))
     finally:
         if init_process_group:
-            import torch.distributed as dist
+            from sparse_scale.shutdown import shutdown_distributed
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            shutdown_distributed(flush=False)  # local: a rank's fn may end while its peers never reach a flush
         if forked:
             atexit._run_exitfuncs()  # a forked child ends in os._exit, which skips them; a spawned one runs them
 

@@ -20,7 +20,7 @@ import sys
 
 from sparse_scale.atomic_checkpoint import CheckpointError
 from sparse_scale.divergence import DEFAULT_MAX_SKIPPED_STEPS, DivergenceError
-from sparse_scale.distenv import shutdown_distributed
+from sparse_scale.shutdown import shutdown_distributed
 from sparse_scale.reporting import print_table
 
 from .checkpoints import NoCheckpointError
@@ -107,4 +107,4 @@ def main(argv: list[str] | None = None) -> None:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print_table(summary_rows(summary))
-    shutdown_distributed()
+    shutdown_distributed(flush=True)  # every rank of a synchronous job gets here

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sparse_scale.divergence import DEFAULT_EXPLOSION_FACTOR, DEFAULT_MAX_SKIPPED_STEPS
-from sparse_scale.distenv import shutdown_distributed
+from sparse_scale.shutdown import shutdown_distributed
 from sparse_scale.rec.config import RecJobConfig, RecJobError
 from sparse_scale.rec.faults import Crash, Straggler, parse_crash, parse_straggler
 from sparse_scale.reporting import finish_wandb, print_table, setup_wandb_env

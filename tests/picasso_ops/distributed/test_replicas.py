@@ -241,6 +241,7 @@ def docs_snippet() -> str:
 def test_docs_snippet_shows_the_synced_tables_and_engine_step():
     code = docs_snippet()
     assert "DataParallelEmbeddingCollection(" in code and "engine_step(engine)" in code, code
+    assert code.rstrip().splitlines()[-1].startswith("shutdown_distributed()"), "the snippet ends the run cleanly"
     assert "PackedEmbeddingCollection(" not in code.replace("DataParallelEmbeddingCollection(", ""), code
     compile(code, "docs/picasso.md", "exec")
 
@@ -250,9 +251,10 @@ def test_docs_snippet_shows_the_synced_tables_and_engine_step():
 @pytest.mark.timeout(300)
 def test_docs_snippet_runs_on_two_ranks_with_equal_replicas(tmp_path):
     script = tmp_path / "snippet.py"
+    train, end = docs_snippet().rsplit("shutdown_distributed()", 1)  # the check's all_gather runs before the end
     script.write_text("import warnings as _warnings\n_warnings.simplefilter('always')\n"
                       "_caught_cm = _warnings.catch_warnings(record=True)\n_caught = _caught_cm.__enter__()\n"
-                      + docs_snippet() + SNIPPET_CHECK)
+                      + train + SNIPPET_CHECK + "shutdown_distributed()" + end)
     env = _launch_env()
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script)]

@@ -1,0 +1,78 @@
+"""The end of a torch.distributed run: destroy the process groups so that the process exits with its own code.
+
+Why a function of its own: a gloo worker thread drops the tensors of a collective just *after* ``wait()``
+has returned. When the script ends at once, that drop can come while the interpreter is finalizing; it
+takes the GIL to free the tensors' Python objects, Python ends the thread with ``pthread_exit``, and the
+unwind through torch's C++ frames aborts a process whose run had succeeded ("terminate called without an
+active exception", SIGABRT; the deepspeed launcher reports rc 250). ``destroy_process_group()`` alone joins
+only the workers of groups nothing else refers to; DeepSpeed and MoE layers keep their expert and
+data-parallel groups alive, and their workers with them.
+
+    import sparse_scale
+    ...train...
+    sparse_scale.shutdown_distributed()     # every rank, last line of the script
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+SETTLE_S = 0.05  # GIL released this long at the end: a worker still dropping older work finishes meanwhile
+RELEASE_DEADLINE_S = 5.0  # longest wait for the workers to drop the flush tensors
+
+
+def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S) -> None:
+    """Finish every process group's pending work, then destroy all groups (a no-op without torch.distributed).
+
+    Args:
+        flush: ``False`` (local, safe on any rank at any time): destroy the groups and release the GIL for
+            ``settle_s``, so that a worker still dropping finished work does so while the interpreter runs.
+            ``True`` (a collective, for scripts where every rank reaches this line after a run that
+            succeeded): first, on each group this rank belongs to and in creation order, a barrier (it
+            waits for every collective still in flight, ``async_op=True`` ones never waited for included)
+            and one small all_reduce, waited for until the worker that ran it has let go of its tensors.
+            The local form assumes the script waited for its collectives, as DeepSpeed's step does.
+        settle_s: seconds the GIL is released after the groups are destroyed.
+
+    Example::
+
+        engine, *_ = sparse_scale.initialize(model=model, config="ds_config.json")
+        for batch in loader: ...
+        sparse_scale.shutdown_distributed()
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if flush:
+        for group in _member_groups():
+            _flush(group)
+    dist.destroy_process_group()
+    time.sleep(settle_s)
+
+
+def _member_groups() -> list:
+    """The groups this rank belongs to, in creation order (the same order on every rank: new_group is collective)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)  # non-members get no entry
+
+
+def _flush(group) -> bool:
+    """Wait for the group's collectives in flight, then for its workers to let go; ``False``: one still holds one."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=group)  # gloo's barrier first waits for every collective this rank queued on the group
+    mark = torch.zeros(1)
+    dist.all_reduce(mark, group=group)
+    deadline = time.monotonic() + RELEASE_DEADLINE_S
+    while mark._use_count() > 1 and time.monotonic() < deadline:  # the worker that ran it still holds the work
+        time.sleep(0.001)
+    if mark._use_count() > 1:
+        logger.warning("a %s worker still holds a finished all_reduce %.0f s after it returned; the process "
+                       "may abort at exit", type(group).__name__, RELEASE_DEADLINE_S)
+        return False
+    return True
