@@ -97,6 +97,8 @@ KJT_SCRIPT = textwrap.dedent("""
     # a file per rank: the launcher interleaves the ranks' stdout, even within a line
     with open(f"kjt_exit_rank{{rank}}.txt", "w") as f:
         f.write(f"trained {{step + 1}} steps, table f0 moved {{moved:.3g}}")
+    from sparse_scale import shutdown_distributed
+    shutdown_distributed()  # the Prefetcher is left running on purpose: its exit is what this test checks
 """)
 
 
