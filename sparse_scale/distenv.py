@@ -445,4 +445,7 @@ def init_distributed(backend: str | None = "gloo", timeout_s: float = 1800.0,
     # (not loopback here) and MASTER_PORT with 29500; the env above is already complete.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s), verbose=False)
+    from sparse_scale.deepspeed_shm import release_shm_segment
+
+    release_shm_segment()  # DeepSpeed's CPU all-reduce segment would outlive the run in /dev/shm
     return spec.context()

@@ -257,6 +257,9 @@ def _dist_place(dist_init_required: bool | None) -> tuple[int, int, str]:
     from sparse_scale.distenv import DistEnvError, init_distributed, resolve_dist_env
 
     if dist.is_available() and dist.is_initialized():
+        from sparse_scale.deepspeed_shm import release_shm_segment
+
+        release_shm_segment()  # started by the user's deepspeed.init_distributed: its /dev/shm segment too
         world = dist.get_world_size()
         try:
             spec = resolve_dist_env(os.environ)

@@ -130,9 +130,11 @@ def _child(fn, rank, world_size, port, args, kwargs, init_process_group, pg_time
         results.put((rank, False, traceback.format_exc()))
     finally:
         if init_process_group:
-            from sparse_scale.shutdown import shutdown_distributed
+            from sparse_scale.shutdown import SETTLE_S, shutdown_distributed
 
-            shutdown_distributed(flush=False)  # local: a rank's fn may end while its peers never reach a flush
+            # local: a rank's fn may end while its peers never reach a flush; a forked rank ends in os._exit,
+            # which skips the interpreter teardown that settling protects
+            shutdown_distributed(flush=False, settle_s=0.0 if forked else SETTLE_S)
         if forked:
             atexit._run_exitfuncs()  # a forked child ends in os._exit, which skips them; a spawned one runs them
 

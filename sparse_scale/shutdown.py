@@ -49,6 +49,9 @@ def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S) -> Non
     if flush:
         for group in _member_groups():
             _flush(group)
+        from sparse_scale.deepspeed_shm import release_shm_segment
+
+        release_shm_segment()  # a run started by plain deepspeed.init_distributed left it in /dev/shm
     dist.destroy_process_group()
     time.sleep(settle_s)
 
