@@ -15,13 +15,12 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from typing import Any, Iterator
 
-from planner import BATCH, DIM, MAX_IDS, ZIPF, report, zipf_ids  # benchmarks/planner.py beside it: the same ids
+from planner import BATCH, DIM, MAX_IDS, ZIPF, report, rounds_args, zipf_ids  # benchmarks/planner.py beside it: the same ids
 
 DENSE = 13
 VARIANTS = ("row_wise", "off", "data_parallel")  # picasso.pipeline on / off (row-wise tables); replicated tables
@@ -102,18 +101,13 @@ def _rank(rank: int, world: int, fields: int, rows: int, steps: int, round_: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--shapes", nargs="+", default=["26x100000"], help="FIELDSxROWS, e.g. 26x100000")
-    p.add_argument("--no-write", action="store_true")
-    args = p.parse_args()
+    args = rounds_args(__doc__.splitlines()[0], 200, ["26x100000"])
     from sparse_scale.multiproc import run_distributed
 
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = []
-    for fields, rows in (tuple(int(x) for x in shape.split("x")) for shape in args.shapes):
+    for fields, rows in args.shapes:
         per: dict[str, list[float]] = {v: [] for v in VARIANTS}
         same = True
         for r in range(args.rounds):

@@ -99,19 +99,26 @@ def _rank(rank: int, world: int, fields: int, rows: int, steps: int, round_: int
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rounds_args(description: str, steps: int, shapes: list[str]) -> argparse.Namespace:
+    """The flags of a benchmark that alternates its variants over rounds at FIELDSxROWS shapes."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--shapes", nargs="+", default=shapes, help="FIELDSxROWS, e.g. 26x100000")
     p.add_argument("--no-write", action="store_true")
-    p.add_argument("--shapes", nargs="+", default=[f"{f}x{r}" for f, r in SHAPES], help="FIELDSxROWS, e.g. 26x100000")
     args = p.parse_args()
+    args.shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+    return args
+
+
+def main() -> None:
+    args = rounds_args(__doc__.splitlines()[0], 20, [f"{f}x{r}" for f, r in SHAPES])
     from sparse_scale.multiproc import run_distributed
 
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows_out = []
-    for fields, rows in (tuple(int(x) for x in shape.split("x")) for shape in args.shapes):
+    for fields, rows in args.shapes:
         per: dict[str, list[float]] = {v: [] for v in VARIANTS}
         plan = why = None
         for r in range(args.rounds):
