@@ -57,10 +57,14 @@ def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S) -> Non
 
 
 def _member_groups() -> list:
-    """The groups this rank belongs to, in creation order (the same order on every rank: new_group is collective)."""
+    """This rank's gloo groups, in creation order (the same order on every rank: new_group is collective).
+
+    Only gloo's workers drop tensors after ``wait()``; a flush's CPU tensor is no NCCL operand either.
+    """
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    return list(c10d._world.pg_map)  # non-members get no entry
+    return [g for g in c10d._world.pg_map if dist.get_backend(g) == "gloo"]  # non-members get no entry
 
 
 def _flush(group) -> bool:
