@@ -14,6 +14,7 @@ data-parallel groups alive, and their workers with them.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 
@@ -21,9 +22,15 @@ logger = logging.getLogger(__name__)
 
 SETTLE_S = 0.05  # GIL released this long at the end: a worker still dropping older work finishes meanwhile
 RELEASE_DEADLINE_S = 5.0  # longest wait for the workers to drop the flush tensors
+FLUSH_TIMEOUT_S = 300.0  # longest wait for the other ranks to reach the flush of a group
 
 
-def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S) -> None:
+class ShutdownError(RuntimeError):
+    """The flush found a group whose other ranks did not come (a rank failed or never called it)."""
+
+
+def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S,
+                         flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
     """Finish every process group's pending work, then destroy all groups (a no-op without torch.distributed).
 
     Args:
@@ -35,6 +42,8 @@ def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S) -> Non
             and one small all_reduce, waited for until the worker that ran it has let go of its tensors.
             The local form assumes the script waited for its collectives, as DeepSpeed's step does.
         settle_s: seconds the GIL is released after the groups are destroyed.
+        flush_timeout_s: longest wait for the other ranks at each step of a flush; past it
+            :class:`ShutdownError` names the group (the groups are left as they are).
 
     Example::
 
@@ -44,11 +53,14 @@ def shutdown_distributed(flush: bool = False, settle_s: float = SETTLE_S) -> Non
     """
     import torch.distributed as dist
 
+    if settle_s < 0 or flush_timeout_s <= 0:
+        raise ValueError(f"shutdown_distributed: settle_s={settle_s} must be >= 0 and flush_timeout_s="
+                         f"{flush_timeout_s} > 0")
     if not (dist.is_available() and dist.is_initialized()):
         return
     if flush:
-        for group in _member_groups():
-            _flush(group)
+        for index, group in enumerate(_member_groups()):
+            _flush(group, index, flush_timeout_s)
         from sparse_scale.deepspeed_shm import release_shm_segment
 
         release_shm_segment()  # a run started by plain deepspeed.init_distributed left it in /dev/shm
@@ -67,14 +79,22 @@ def _member_groups() -> list:
     return [g for g in c10d._world.pg_map if dist.get_backend(g) == "gloo"]  # non-members get no entry
 
 
-def _flush(group) -> bool:
+def _flush(group, index: int, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
     """Wait for the group's collectives in flight, then for its workers to let go; ``False``: one still holds one."""
     import torch
     import torch.distributed as dist
 
-    dist.barrier(group=group)  # gloo's barrier first waits for every collective this rank queued on the group
     mark = torch.zeros(1)
-    dist.all_reduce(mark, group=group)
+    steps = (("barrier", lambda: dist.barrier(group=group, async_op=True)),  # gloo's barrier first waits for
+             ("all_reduce", lambda: dist.all_reduce(mark, group=group, async_op=True)))  # the collectives in flight
+    for what, start in steps:
+        try:
+            start().wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise ShutdownError(
+                f"shutdown_distributed(flush=True) on rank {dist.get_rank()}: the {what} of gloo group {index} "
+                f"(ranks {dist.get_process_group_ranks(group)}) did not finish within {timeout_s:.0f} s: another "
+                f"rank failed or does not call shutdown_distributed(flush=True) ({exc})") from exc
     deadline = time.monotonic() + RELEASE_DEADLINE_S
     while mark._use_count() > 1 and time.monotonic() < deadline:  # the worker that ran it still holds the work
         time.sleep(0.001)

@@ -32,7 +32,7 @@ RANK = textwrap.dedent("""
     assert x.tolist() == [1.0] * 4, x
     if mode == "in_flight":               # an async_op collective the script never waits for
         work = dist.all_reduce(torch.ones(4_000_000), group=sub, async_op=True)
-        released = _flush(sub)
+        released = _flush(sub, 1)
         print("IN_FLIGHT_DONE", rank, work.is_completed(), released, flush=True)
     shutdown_distributed(flush=(mode != "local"))
     print("END", rank, dist.is_initialized(), flush=True)
@@ -77,3 +77,37 @@ def test_without_a_process_group_it_does_nothing():
     assert not dist.is_initialized()
     shutdown_distributed(flush=True)
     assert not dist.is_initialized()
+
+
+def _flush_alone(rank: int, world: int) -> str:
+    import time
+
+    from sparse_scale.shutdown import ShutdownError, shutdown_distributed
+
+    if rank == 1:  # never comes to the flush, as a rank that failed or skipped the call
+        time.sleep(3)
+        return "absent"
+    try:
+        shutdown_distributed(flush=True, flush_timeout_s=1)
+    except ShutdownError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_flush_names_the_group_a_rank_never_joins_within_its_deadline():
+    from sparse_scale.multiproc import run_distributed
+
+    message, absent = run_distributed(_flush_alone, 2, timeout_s=40)
+    assert absent == "absent"
+    assert "rank 0: the barrier of gloo group 0 (ranks [0, 1]) did not finish within 1 s" in message, message
+
+
+def test_bad_arguments_are_refused():
+    import pytest
+
+    from sparse_scale import shutdown_distributed
+
+    with pytest.raises(ValueError, match="settle_s=-1"):
+        shutdown_distributed(settle_s=-1)
+    with pytest.raises(ValueError, match="flush_timeout_s=0"):
+        shutdown_distributed(flush=True, flush_timeout_s=0)
